@@ -1,0 +1,25 @@
+# Each target creates .venv on first use. torch is pinned and installed first, on its own,
+# so that no later resolution can pull a CUDA build.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed
+
+.PHONY: demo test bench clean
+
+$(VENV_STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(VENV_STAMP)
+
+demo: $(VENV_STAMP)
+	$(PY) -m autopar demo
+
+test: $(VENV_STAMP)
+	$(PY) -m pytest tests
+
+bench: $(VENV_STAMP)
+	$(PY) bench/serial.py
+
+clean:
+	rm -rf .venv

@@ -1,0 +1,9 @@
+"""autopar: a static-graph auto-parallel training engine for PyTorch.
+
+A user's ``nn.Module``, loss and ``torch.optim`` optimizer are captured as one program of the
+whole training step, transformed by passes into one program per rank, and run.
+"""
+from .engine import Engine
+from .strategy import Strategy
+
+__all__ = ["Engine", "Strategy"]

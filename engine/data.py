@@ -1,0 +1,34 @@
+"""Turn what a user passes as data into global batches of ``(inputs, labels)``."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+def _split_sample(batch: Any) -> tuple[Any, Any]:
+    """A batch is ``(inputs, labels)``; anything else is inputs without labels."""
+    if isinstance(batch, (list, tuple)) and len(batch) == 2 and not hasattr(batch, "_fields"):
+        return batch[0], batch[1]
+    return batch, None
+
+
+def batches(data: Dataset | DataLoader | Any, batch_size: int, collate_fn: Callable | None = None,
+            shuffle: bool = False, seed: int = 0) -> Iterator[tuple[Any, Any]]:
+    """Global batches in a deterministic order (shuffling, when asked, is seeded)."""
+    if isinstance(data, DataLoader):
+        loader = data
+    else:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        generator = torch.Generator().manual_seed(seed) if shuffle else None
+        loader = DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=generator,
+                            collate_fn=collate_fn)
+    for batch in loader:
+        yield _split_sample(batch)
+
+
+def batch_size_of(inputs: Any) -> int:
+    leaves = [x for x in torch.utils._pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 1

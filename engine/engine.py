@@ -1,0 +1,232 @@
+"""Engine: the user's model, loss and optimizer in; fit / evaluate / predict out.
+
+Read top to bottom: a batch arrives, the engine finds (or plans) the program for its
+shapes, feeds it, and records the loss. Planning is capture -> passes -> executor; the
+programs are cached by mode and batch signature.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..ir import Program, Slot, StateKind
+from ..ir.capture import StepSpec, capture
+from ..passes.context import PassContext
+from ..passes.manager import PassManager
+from ..runtime.executor import Executor
+from ..strategy import Strategy
+from .data import batch_size_of, batches
+from .logging import ProgressLog
+
+# Strategy sections this version executes; any other enabled section is refused up front.
+SUPPORTED_SECTIONS: set[str] = set()
+
+Metric = Callable[[Any, Any], float]
+
+
+@dataclass
+class Plan:
+    """One planned program: what it computes, how to feed it, and its executor."""
+
+    spec: StepSpec
+    program: Program
+    executor: Executor
+    pass_timings: dict[str, float]
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, loss: Callable | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 metrics: dict[str, Metric] | Iterable[Metric] | None = None,
+                 strategy: Strategy | None = None,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
+        self.model = model
+        self.loss = loss
+        self.optimizer = optimizer
+        self.metrics = _named_metrics(metrics)
+        self.strategy = strategy if strategy is not None else Strategy()
+        self.lr_scheduler = lr_scheduler
+        self.strategy.check_supported(SUPPORTED_SECTIONS)
+        self._check_launch(os.environ)
+        self.dump_dir = self.strategy.resolved_dump_dir(os.environ)
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        # Serial runs alias the model's own tensors: the model trains in place.
+        self.state: dict[str, Any] = {n: p.detach() for n, p in model.named_parameters()}
+        self.state.update({n: b for n, b in model.named_buffers()})
+        self._plans: dict[tuple, Plan] = {}
+        self.global_step = 0
+        self.history: dict[str, list[float]] = {}
+
+    # -- planning -----------------------------------------------------------------------
+    def _check_launch(self, environ: os._Environ | dict) -> None:
+        world = int(environ.get("WORLD_SIZE", "1"))
+        self.strategy.check_world_size(world)
+
+    def prepare(self, inputs: Any, labels: Any = None, mode: str = "train") -> Program:
+        """Plan the program for a sample batch without running it (dumps are written)."""
+        return self._plan(mode, inputs, labels).program
+
+    def _plan(self, mode: str, inputs: Any, labels: Any) -> Plan:
+        key = (mode, _signature(inputs), _signature(labels))
+        if key not in self._plans:
+            if mode == "train" and self.optimizer is None:
+                raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
+            captured = capture(self.model, self.loss, inputs, labels, mode=mode)
+            ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode)
+            manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
+            program = manager.run(captured.program, ctx)
+            self._init_optimizer_state(program)
+            self._plans[key] = Plan(captured.spec, program, Executor(program, self.state),
+                                    dict(manager.timings))
+        return self._plans[key]
+
+    def _init_optimizer_state(self, program: Program) -> None:
+        from ..passes.lower_optimizer import initial_state
+        wanted = {op.attrs["name"] for op in program.states(StateKind.OPTIM)}
+        if not wanted - self.state.keys():
+            return
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                name = self.param_names[id(p)]
+                for key, value in initial_state(self.optimizer, group, p).items():
+                    self.state.setdefault(f"{name}/{key}", value)
+
+    def _feeds(self, inputs: Any, labels: Any, mode: str) -> dict[str, Any]:
+        feeds = {f"batch/{i}": leaf for i, leaf in enumerate(pytree.tree_leaves((inputs, labels)))}
+        if mode == "train":
+            feeds.update({f"param_groups/{i}": g for i, g in enumerate(self.optimizer.param_groups)})
+        return feeds
+
+    # -- one step -----------------------------------------------------------------------
+    def train_step(self, inputs: Any, labels: Any = None) -> float:
+        plan = self._plan("train", inputs, labels)
+        results = plan.executor.run(self._feeds(inputs, labels, "train"),
+                                    seed=self.strategy.seed + self.global_step)
+        self.global_step += 1
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return float(results[Slot("loss")])
+
+    def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[float | None, Any]:
+        plan = self._plan(mode, inputs, labels)
+        results = plan.executor.run(self._feeds(inputs, labels, mode))
+        loss = results.get(Slot("loss"))
+        outputs = [v for s, v in results.items() if s.kind == "output"]
+        return (None if loss is None else float(loss)), _rebuild(plan.spec, outputs)
+
+    # -- the Keras/Paddle-style loops ---------------------------------------------------
+    def fit(self, train_data, batch_size: int = 1, epochs: int = 1,
+            steps_per_epoch: int | None = None, log_freq: int = 10, valid_data=None,
+            valid_freq: int = 1, valid_steps: int | None = None,
+            collate_fn: Callable | None = None, shuffle: bool = False,
+            verbose: int = 2) -> dict[str, list[float]]:
+        """Train; ``history["loss"]`` holds one global-batch mean loss per step."""
+        history = self.history
+        for epoch in range(epochs):
+            log = ProgressLog(verbose, log_freq, steps_per_epoch, f"epoch {epoch + 1}/{epochs}",
+                              enabled=self.is_logging_rank)
+            for step, (inputs, labels) in enumerate(
+                    batches(train_data, batch_size, collate_fn, shuffle, self.strategy.seed + epoch),
+                    start=1):
+                if steps_per_epoch is not None and step > steps_per_epoch:
+                    break
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss = self.train_step(inputs, labels)
+                history.setdefault("loss", []).append(loss)
+                history.setdefault("lr", []).append(lr)
+                log.step(step, {"loss": loss, "lr": lr})
+            log.close()
+            if valid_data is not None and (epoch + 1) % valid_freq == 0:
+                scores = self.evaluate(valid_data, batch_size, valid_steps, collate_fn=collate_fn,
+                                       verbose=0)
+                for k, v in scores.items():
+                    history.setdefault(f"val_{k}", []).append(v)
+                if self.is_logging_rank and verbose:
+                    print("validation " + " ".join(f"{k}: {v:.4f}" for k, v in scores.items()))
+        self.sync_optimizer_state()
+        return history
+
+    def evaluate(self, valid_data, batch_size: int = 1, steps: int | None = None,
+                 log_freq: int = 10, collate_fn: Callable | None = None,
+                 verbose: int = 0) -> dict[str, float]:
+        """Mean loss and metrics over the data, weighted by batch size (eval mode)."""
+        totals: dict[str, float] = {}
+        count = 0
+        log = ProgressLog(verbose, log_freq, steps, "evaluate", enabled=self.is_logging_rank)
+        for step, (inputs, labels) in enumerate(batches(valid_data, batch_size, collate_fn), 1):
+            if steps is not None and step > steps:
+                break
+            loss, outputs = self._forward("eval", inputs, labels)
+            n = batch_size_of(inputs)
+            scores = {"loss": loss} if loss is not None else {}
+            scores.update({name: float(fn(outputs, labels)) for name, fn in self.metrics.items()})
+            for k, v in scores.items():
+                totals[k] = totals.get(k, 0.0) + v * n
+            count += n
+            log.step(step, scores)
+        log.close()
+        return {k: v / max(count, 1) for k, v in totals.items()}
+
+    def predict(self, test_data, batch_size: int = 1, steps: int | None = None,
+                collate_fn: Callable | None = None, verbose: int = 0) -> list[Any]:
+        """The model's outputs for each batch, as full tensors in the model's own structure."""
+        outputs = []
+        for step, (inputs, labels) in enumerate(batches(test_data, batch_size, collate_fn), 1):
+            if steps is not None and step > steps:
+                break
+            outputs.append(self._forward("predict", inputs, None)[1])
+        return outputs
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def is_logging_rank(self) -> bool:
+        return True
+
+    def programs(self) -> dict[str, Program]:
+        return {f"{mode}{i}": plan.program for i, ((mode, *_), plan) in enumerate(self._plans.items())}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters and buffers by their module paths."""
+        names = [n for n, _ in self.model.named_parameters()] + [n for n, _ in self.model.named_buffers()]
+        return {n: self.state[n] for n in names}
+
+    def sync_optimizer_state(self) -> None:
+        """Expose the engine's optimizer state through ``optimizer.state`` (state_dict works)."""
+        if self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                name = self.param_names[id(p)]
+                prefix = f"{name}/"
+                own = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
+                if own:
+                    self.optimizer.state[p].update(own)
+
+
+def _named_metrics(metrics) -> dict[str, Metric]:
+    if metrics is None:
+        return {}
+    if isinstance(metrics, dict):
+        return dict(metrics)
+    return {getattr(m, "__name__", f"metric{i}"): m for i, m in enumerate(metrics)}
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, spec = pytree.tree_flatten(tree)
+    return (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                             for x in leaves))
+
+
+def _rebuild(spec: StepSpec, leaves: list[Any]) -> Any:
+    if spec.output_spec is None:
+        return None
+    tree = pytree.tree_unflatten(leaves, spec.output_spec)
+    kind = spec.output_type
+    if dataclasses.is_dataclass(kind) and isinstance(tree, dict):
+        return kind(**tree)
+    return tree

@@ -1,0 +1,8 @@
+"""The autopar IR: programs, values, printer, verifier and capture."""
+from .core import (OpaqueType, Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value,
+                   ValueType)
+from .printer import format_program
+from .verifier import VerificationError, verify
+
+__all__ = ["OpaqueType", "Op", "OpKind", "Program", "Role", "Slot", "StateKind", "TensorType",
+           "Value", "ValueType", "format_program", "verify", "VerificationError"]

@@ -1,0 +1,414 @@
+"""Capture a whole training step (forward, loss, backward) into one IR Program.
+
+We trace ``functional_call`` + ``torch.autograd.grad`` with ``make_fx`` over fake tensors, so
+parameters are program state and gradients are program values (tracing ``loss.backward()``
+on a live module would bake parameters in as constants). Two pieces of node metadata are
+made on the way, through ``torch.fx.traceback``'s preserved meta:
+
+* the module path of every forward op, from global module hooks;
+* for every backward op, the autograd sequence number of the forward op it differentiates,
+  from pre/post hooks on the autograd graph (the same trick aot_autograd uses).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses import fake_tensor
+from torch.fx.experimental import symbolic_shapes
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .core import (OpaqueType, Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value)
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+_PHASE_ROLE = {"fwd": Role.FORWARD, "loss": Role.LOSS, "bwd": Role.BACKWARD, "opt": Role.OPTIMIZER}
+
+
+# --------------------------------------------------------------------------------------
+# metadata recorded while tracing
+# --------------------------------------------------------------------------------------
+class _Annotator:
+    """Stamps phase and module path into fx's current meta, so each created node keeps it."""
+
+    def __init__(self, model: torch.nn.Module | None):
+        self.paths = {id(m): name for name, m in model.named_modules()} if model else {}
+        self.module_stack: list[str] = []
+        self.phase = "fwd"
+
+    def _publish(self) -> None:
+        module = self.module_stack[-1] if self.module_stack else ""
+        fx_traceback.current_meta["custom"] = {"phase": self.phase, "module": module}
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str, module: str | None = None):
+        saved = (self.phase, list(self.module_stack))
+        self.phase = phase
+        if module is not None:
+            self.module_stack = [module]
+        self._publish()
+        try:
+            yield
+        finally:
+            self.phase, self.module_stack = saved
+            self._publish()
+
+    def _pre_hook(self, module, args):
+        if id(module) in self.paths:
+            self.module_stack.append(self.paths[id(module)])
+            self._publish()
+
+    def _post_hook(self, module, args, out):
+        if id(module) in self.paths and self.module_stack:
+            self.module_stack.pop()
+            self._publish()
+
+    @contextlib.contextmanager
+    def tracing(self):
+        register = torch.nn.modules.module
+        hooks = [register.register_module_forward_pre_hook(self._pre_hook),
+                 register.register_module_forward_hook(self._post_hook)]
+        try:
+            with fx_traceback.preserve_node_meta():
+                self._publish()
+                yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+def _link_backward_to_forward(root: torch.autograd.graph.Node | None) -> None:
+    """While autograd runs a node's backward, mark created fx nodes with that node's
+    sequence number; the forward op that created the node carries the same number."""
+    seen: set = set()
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        seq = node._sequence_nr()
+
+        def enter(grad_outputs, seq=seq):
+            fx_traceback.current_meta["in_grad_fn"] = 1
+            fx_traceback.current_meta["grad_fn_seq_nr"] = [seq]
+
+        def leave(grad_inputs, grad_outputs):
+            fx_traceback.current_meta.pop("in_grad_fn", None)
+            fx_traceback.current_meta.pop("grad_fn_seq_nr", None)
+
+        node.register_prehook(enter)
+        node.register_hook(leave)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+
+
+# --------------------------------------------------------------------------------------
+# model outputs: dicts, dataclasses and tuples with the loss inside
+# --------------------------------------------------------------------------------------
+def _to_tree(out: Any) -> Any:
+    """Dataclass outputs (not registered with pytree) become dicts of their fields."""
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return {f.name: _to_tree(getattr(out, f.name)) for f in dataclasses.fields(out)}
+    if isinstance(out, dict):
+        return {k: _to_tree(v) for k, v in out.items()}
+    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
+        return type(out)(_to_tree(v) for v in out)
+    return out
+
+
+def loss_from_output(out: Any) -> torch.Tensor:
+    """The loss a model returns itself: key/attribute ``loss`` or the first element."""
+    if isinstance(out, dict) and "loss" in out:
+        return out["loss"]
+    if hasattr(out, "loss") and isinstance(getattr(out, "loss"), torch.Tensor):
+        return out.loss
+    if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    raise CaptureError(
+        "loss=None needs the model to return its loss: a scalar tensor, a dict with key "
+        f"'loss', an object with a .loss tensor, or a tuple starting with it; got {type(out).__name__}")
+
+
+# --------------------------------------------------------------------------------------
+# the traced step
+# --------------------------------------------------------------------------------------
+@dataclass
+class StepSpec:
+    """What a captured program computes and how a user's batch maps onto its inputs."""
+
+    mode: str                    # "train" | "eval" | "predict"
+    batch_spec: pytree.TreeSpec  # structure of (inputs, labels)
+    output_spec: pytree.TreeSpec | None = None   # structure of the model output (eval/predict)
+    output_type: Any = None      # original output class, to rebuild dataclasses
+
+
+def call_model(model: torch.nn.Module, inputs: Any, labels: Any, loss_fn: Callable | None):
+    """How a batch is fed: dict inputs as keywords, tuples positionally; with loss=None the
+    labels go to the model (as ``labels=`` for dict inputs, positionally otherwise)."""
+    args, kwargs = (), {}
+    if isinstance(inputs, dict):
+        kwargs = dict(inputs)
+    elif isinstance(inputs, (list, tuple)):
+        args = tuple(inputs)
+    else:
+        args = (inputs,)
+    if loss_fn is None and labels is not None:
+        if kwargs:
+            kwargs["labels"] = labels
+        else:
+            args = args + (labels,)
+    return args, kwargs
+
+
+def _named_state(model: torch.nn.Module):
+    params = dict(model.named_parameters())          # tied weights appear once
+    buffers = dict(model.named_buffers())
+    return params, buffers
+
+
+def _module_in_traceback(exc: BaseException, model: torch.nn.Module) -> tuple[str, str]:
+    paths = {id(m): name for name, m in model.named_modules()}
+    found = ("<model>", "")
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if owner is not None and id(owner) in paths:
+            found = (paths[id(owner)] or type(owner).__name__,
+                     f"{frame.f_code.co_filename}:{lineno}")
+    return found
+
+
+_DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = tuple(
+    cls for cls in (
+        getattr(fake_tensor, "DataDependentOutputException", None),
+        getattr(fake_tensor, "DynamicOutputShapeException", None),
+        getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None),
+    ) if cls is not None)
+
+
+def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
+               mode: str) -> tuple[fx.GraphModule, StepSpec, list[str], list[str], dict]:
+    """make_fx over one step; returns the graph, the step spec, the names of the
+    parameters and buffers in placeholder order, and the layout of the flat results
+    (``[loss] + grads + outputs``: which parameters got a gradient, how many outputs)."""
+    params, buffers = _named_state(model)
+    param_names, buffer_names = list(params), list(buffers)
+    trainable = [n for n in param_names if params[n].requires_grad] if mode == "train" else []
+    batch_leaves, batch_spec = pytree.tree_flatten((inputs, labels))
+    spec = StepSpec(mode, batch_spec)
+    notes = _Annotator(model)
+    layout: dict[str, Any] = {"grads": [], "outputs": 0}
+
+    def step(param_values, buffer_values, leaves):
+        x, y = pytree.tree_unflatten(leaves, batch_spec)
+        state = {**dict(zip(param_names, param_values)), **dict(zip(buffer_names, buffer_values))}
+        args, kwargs = call_model(model, x, y, loss_fn)
+        with notes.in_phase("fwd"):
+            out = torch.func.functional_call(model, state, args, kwargs, strict=False)
+        results: list[torch.Tensor] = []
+        if mode != "predict":
+            with notes.in_phase("loss", module="<loss>"):
+                loss = loss_fn(out, y) if loss_fn is not None else loss_from_output(out)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise CaptureError(f"the loss must be a scalar tensor, got {_describe(loss)}")
+            results.append(loss)
+        if mode == "train":
+            with notes.in_phase("bwd"):
+                _link_backward_to_forward(loss.grad_fn)
+                wrt = [state[n] for n in trainable]
+                grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
+            # unused parameters get no gradient (torch.optim then skips them)
+            layout["grads"] = [n for n, g in zip(trainable, grads) if g is not None]
+            results += [g for g in grads if g is not None]
+        else:
+            out_leaves, spec.output_spec = pytree.tree_flatten(_to_tree(out))
+            spec.output_type = type(out)
+            layout["outputs"] = len(out_leaves)
+            results += out_leaves
+        return results
+
+    was_training = model.training
+    model.train(mode == "train")
+    try:
+        with notes.tracing():
+            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                [params[n].detach().requires_grad_(params[n].requires_grad) for n in param_names],
+                [buffers[n] for n in buffer_names], batch_leaves)
+    except _DATA_DEPENDENT_ERRORS as exc:
+        module, where = _module_in_traceback(exc, model)
+        raise CaptureError(
+            f"data-dependent Python control flow in module '{module}' ({where}): autopar "
+            "captures one static graph of the step, so a Python `if`/`while` on a tensor's "
+            "value cannot be traced. Rewrite it with torch.cond / torch.where. "
+            f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    finally:
+        model.train(was_training)
+    return gm, spec, param_names, buffer_names, layout
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {list(x.shape)}"
+    return type(x).__name__
+
+
+# --------------------------------------------------------------------------------------
+# fx graph -> IR
+# --------------------------------------------------------------------------------------
+def _value_type(meta_val: Any) -> TensorType | OpaqueType:
+    if isinstance(meta_val, torch.Tensor):
+        return TensorType(tuple(int(d) for d in meta_val.shape), meta_val.dtype)
+    if meta_val is None:
+        return OpaqueType("none")
+    return OpaqueType(type(meta_val).__name__)
+
+
+def target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" \
+            else f"{target.namespace}.{target._opname}.{target._overloadname}"
+    raise CaptureError(f"cannot lower fx target {target!r}: only ATen-level operators are "
+                       "expected after make_fx")
+
+
+class _Lowering:
+    """Walks an fx graph in order and appends the IR ops it stands for."""
+
+    def __init__(self, program: Program, gm: fx.GraphModule, default_role: Role | None = None):
+        self.program = program
+        self.gm = gm
+        self.default_role = default_role
+        self.env: dict[fx.Node, Any] = {}
+        self.first_op_by_seq: dict[int, Op] = {}
+
+    def bind(self, node: fx.Node, value: Any) -> None:
+        self.env[node] = value
+
+    def run(self, placeholder_values: Sequence[Value]) -> Any:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, placeholder_values, strict=True):
+            self.bind(node, value)
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr":
+                self.bind(node, self._constant(node))
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                return fx.node.map_arg(node.args[0], lambda n: self.env[n])
+        raise CaptureError("traced graph has no output")
+
+    def _constant(self, node: fx.Node) -> Value:
+        tensor = getattr(self.gm, node.target)
+        op = Op(OpKind.STATE, "state", outputs=[Value(_value_type(tensor))],
+                attrs={"state": StateKind.CONST, "name": f"const/{node.target}",
+                       "_value": tensor})
+        self.program.ops.insert(self._state_insert_point(), op)
+        op.outputs[0].producer = op
+        return op.outputs[0]
+
+    def _state_insert_point(self) -> int:
+        return sum(1 for op in self.program.ops if op.kind in (OpKind.INPUT, OpKind.STATE))
+
+    def _role_and_link(self, node: fx.Node) -> tuple[Role, str, Op | None]:
+        custom = node.meta.get("custom") or {}
+        if self.default_role is not None:
+            return self.default_role, custom.get("module", ""), None
+        role = _PHASE_ROLE[custom.get("phase", "fwd")]
+        module = custom.get("module", "")
+        seq = node.meta.get("seq_nr")
+        if role is Role.BACKWARD and isinstance(seq, int) and seq in self.first_op_by_seq:
+            forward = self.first_op_by_seq[seq]
+            return role, forward.module, forward
+        return role, module, None
+
+    def _call(self, node: fx.Node) -> None:
+        if node.target is operator.getitem:
+            source, index = node.args
+            self.bind(node, self.env[source][index])
+            return
+        role, module, forward = self._role_and_link(node)
+        args = fx.node.map_arg(node.args, lambda n: self.env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: self.env[n])
+        val = node.meta.get("val")
+        multi = isinstance(val, (list, tuple))
+        out_types = [_value_type(v) for v in val] if multi else [_value_type(val)]
+        op = self.program.add_call(target_name(node.target), tuple(args), out_types, role=role,
+                                   module=module, kwargs=dict(kwargs), forward_op=forward)
+        if multi:
+            op.attrs["_multi"] = True   # the kernel returns a sequence, even of one element
+        seq = node.meta.get("seq_nr")
+        if role in (Role.FORWARD, Role.LOSS) and isinstance(seq, int):
+            self.first_op_by_seq.setdefault(seq, op)
+        self.bind(node, list(op.outputs) if multi else op.outputs[0])
+
+
+def lower_graph(program: Program, gm: fx.GraphModule, inputs: Sequence[Value], role: Role) -> Any:
+    """Append a traced helper graph (clipping, loss scaling, ...) to ``program`` with one role,
+    reading ``inputs`` for its placeholders; returns its outputs as Values."""
+    return _Lowering(program, gm, default_role=role).run(inputs)
+
+
+# --------------------------------------------------------------------------------------
+# public entry point
+# --------------------------------------------------------------------------------------
+@dataclass
+class Captured:
+    program: Program
+    spec: StepSpec
+    param_names: list[str]
+    buffer_names: list[str]
+
+
+def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
+            mode: str = "train") -> Captured:
+    """Trace one step of ``model`` on a sample batch into a Program.
+
+    ``mode`` is ``train`` (loss and gradients), ``eval`` (loss and outputs) or ``predict``
+    (outputs). Shapes are specialised to the sample batch.
+    """
+    if mode not in ("train", "eval", "predict"):
+        raise ValueError(f"unknown capture mode {mode!r}")
+    gm, spec, param_names, buffer_names, layout = trace_step(model, loss_fn, inputs, labels, mode)
+    program = Program()
+    params, buffers = _named_state(model)
+
+    def state_value(name: str, tensor: torch.Tensor, kind: StateKind) -> Value:
+        op = Op(OpKind.STATE, "state", outputs=[Value(_value_type(tensor))],
+                attrs={"state": kind, "name": name})
+        return program.add(op).outputs[0]
+
+    placeholders: list[Value] = [state_value(n, params[n], StateKind.PARAM) for n in param_names]
+    placeholders += [state_value(n, buffers[n], StateKind.BUFFER) for n in buffer_names]
+    batch_leaves = pytree.tree_leaves((inputs, labels))
+    for i, leaf in enumerate(batch_leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(f"batch element {i} is a {type(leaf).__name__}; autopar feeds "
+                               "tensors only (convert numbers with torch.tensor)")
+        op = Op(OpKind.INPUT, "input", outputs=[Value(_value_type(leaf))], attrs={"name": f"batch/{i}"})
+        placeholders.append(program.add(op).outputs[0])
+
+    traced = list(_Lowering(program, gm).run(placeholders))
+    results: list[tuple[Slot, Value]] = []
+    if mode != "predict":
+        results.append((Slot("loss"), traced.pop(0)))
+    for name in layout["grads"]:
+        results.append((Slot("grad", name), traced.pop(0)))
+    for i, out in enumerate(traced):
+        if not isinstance(out, Value):
+            raise CaptureError(f"model output leaf {i} is a {type(out).__name__}, not a tensor")
+        results.append((Slot("output", str(i)), out))
+    program.add(Op(OpKind.OUTPUT, "output", args=tuple(v for _, v in results),
+                   role=Role.FORWARD, attrs={"slots": [s for s, _ in results]}))
+    return Captured(program, spec, param_names, buffer_names)

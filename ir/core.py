@@ -1,0 +1,231 @@
+"""The autopar IR: a Program is a flat list of Ops over SSA Values.
+
+Few closed op kinds, open op targets (the lesson of torch.fx): the kind says how an op
+enters or leaves the program, the target names the computation as data
+(``aten.mm.default``, ``optim.adam``, later ``comm.all_reduce``). Passes are plain functions
+over these classes; nothing here knows about parallelism except the empty ``dist`` slot that
+completion fills.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class OpKind(str, enum.Enum):
+    INPUT = "input"    # fed per step: a batch tensor, a label, optimizer hyper-parameters
+    STATE = "state"    # lives across steps: parameter, buffer, constant, optimizer state
+    CALL = "call"      # a computation, target names it
+    COMM = "comm"      # communication inserted by reshard (later issues)
+    OUTPUT = "output"  # the single terminator; its slots say what each result means
+
+
+class Role(str, enum.Enum):
+    FORWARD = "fwd"
+    LOSS = "loss"
+    BACKWARD = "bwd"
+    OPTIMIZER = "opt"
+    COMM = "comm"
+
+
+class StateKind(str, enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    CONST = "const"
+    OPTIM = "optim"
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        dims = ",".join(str(d) for d in self.shape)
+        return f"{dtype_abbrev(self.dtype)}[{dims}]"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class OpaqueType:
+    """A non-tensor runtime value: optimizer hyper-parameters, a possibly absent buffer."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+ValueType = TensorType | OpaqueType
+
+_DTYPE_ABBREV = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "i1", torch.complex64: "c64",
+}
+
+
+def dtype_abbrev(dtype: torch.dtype) -> str:
+    return _DTYPE_ABBREV.get(dtype, str(dtype).removeprefix("torch."))
+
+
+class Value:
+    """An SSA value. ``dist`` is the distributed attribute slot completion fills."""
+
+    __slots__ = ("type", "producer", "index", "dist")
+
+    def __init__(self, type: ValueType, producer: "Op | None" = None, index: int = 0):
+        self.type = type
+        self.producer = producer
+        self.index = index
+        self.dist: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.type, TensorType)
+
+    def __repr__(self) -> str:
+        return f"Value({self.type})"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What one program result means: the loss, a parameter's gradient, a model output,
+    or the new value of a piece of state (written back by the runtime)."""
+
+    kind: str  # "loss" | "grad" | "output" | "update"
+    name: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{self.name}]" if self.name else self.kind
+
+
+SLOT_KINDS = ("loss", "grad", "output", "update")
+
+_op_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Op:
+    """One operation. ``args``/``kwargs`` keep the call's structure with Values in place of
+    tensors, so generated code calls the target exactly as the trace did."""
+
+    kind: OpKind
+    target: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    outputs: list[Value] = field(default_factory=list)
+    role: Role = Role.FORWARD
+    module: str = ""
+    forward_op: "Op | None" = None     # for a backward op: the forward op it differentiates
+    attrs: dict[str, Any] = field(default_factory=dict)
+    uid: int = field(default_factory=lambda: next(_op_ids))
+
+    @property
+    def inputs(self) -> list[Value]:
+        return [a for a in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(a, Value)]
+
+    @property
+    def result(self) -> Value:
+        if len(self.outputs) != 1:
+            raise ValueError(f"{self.target} has {len(self.outputs)} results, not one")
+        return self.outputs[0]
+
+    def map_inputs(self, fn: Callable[[Value], Value]) -> None:
+        swap = lambda a: fn(a) if isinstance(a, Value) else a  # noqa: E731
+        self.args = pytree.tree_map(swap, self.args)
+        self.kwargs = pytree.tree_map(swap, self.kwargs)
+
+
+class Program:
+    """An ordered list of ops ending in one OUTPUT op; order is a valid execution order."""
+
+    def __init__(self, ops: Iterable[Op] = ()):
+        self.ops: list[Op] = list(ops)
+
+    # -- construction -------------------------------------------------------------------
+    def add(self, op: Op) -> Op:
+        """Append ``op``; once the program has its output op, new ops go just before it."""
+        for i, v in enumerate(op.outputs):
+            v.producer, v.index = op, i
+        if self.ops and self.ops[-1].kind is OpKind.OUTPUT and op.kind is not OpKind.OUTPUT:
+            self.ops.insert(len(self.ops) - 1, op)
+        else:
+            self.ops.append(op)
+        return op
+
+    def add_call(self, target: str, args: tuple, out_types: list[ValueType], *,
+                 role: Role, module: str = "", kwargs: dict | None = None,
+                 forward_op: Op | None = None, **attrs: Any) -> Op:
+        op = Op(OpKind.CALL, target, args, kwargs or {}, [Value(t) for t in out_types],
+                role, module, forward_op, attrs)
+        return self.add(op)
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def output_op(self) -> Op:
+        op = self.ops[-1]
+        if op.kind is not OpKind.OUTPUT:
+            raise ValueError("program does not end in an output op")
+        return op
+
+    def results(self) -> list[tuple[Slot, Value]]:
+        out = self.output_op
+        return list(zip(out.attrs["slots"], out.args))
+
+    def result(self, kind: str, name: str = "") -> Value:
+        for slot, value in self.results():
+            if slot == Slot(kind, name):
+                return value
+        raise KeyError(f"program has no result {Slot(kind, name)}")
+
+    def ops_of(self, kind: OpKind) -> Iterator[Op]:
+        return (op for op in self.ops if op.kind is kind)
+
+    def states(self, state_kind: StateKind | None = None) -> list[Op]:
+        return [op for op in self.ops_of(OpKind.STATE)
+                if state_kind is None or op.attrs["state"] is state_kind]
+
+    def users(self) -> dict[Value, list[Op]]:
+        table: dict[Value, list[Op]] = {}
+        for op in self.ops:
+            for v in op.inputs:
+                table.setdefault(v, []).append(op)
+        return table
+
+    def set_results(self, results: list[tuple[Slot, Value]]) -> None:
+        out = self.output_op
+        out.attrs["slots"] = [s for s, _ in results]
+        out.args = tuple(v for _, v in results)
+
+    # -- copying --------------------------------------------------------------------------
+    def copy(self) -> "Program":
+        """A structural copy: new Ops and Values, same targets and attributes. Passes that
+        specialise a program (per rank, per stage) start from one."""
+        remap: dict[Value, Value] = {}
+        copied = Program()
+        for op in self.ops:
+            new = Op(op.kind, op.target, op.args, dict(op.kwargs),
+                     [Value(v.type) for v in op.outputs], op.role, op.module,
+                     op.forward_op, dict(op.attrs))
+            new.map_inputs(lambda v: remap[v])
+            for old_v, new_v in zip(op.outputs, new.outputs):
+                new_v.dist = old_v.dist
+                remap[old_v] = new_v
+            copied.add(new)
+        forward_map = {old.uid: new for old, new in zip(self.ops, copied.ops)}
+        for new in copied.ops:
+            if new.forward_op is not None:
+                new.forward_op = forward_map.get(new.forward_op.uid)
+        return copied

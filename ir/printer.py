@@ -1,0 +1,75 @@
+"""A deterministic, MLIR-like text form of a Program.
+
+Names are assigned at print time in op order, so two dumps of equal programs are equal
+text and a pass's effect is a plain diff. One op per line:
+
+    %12: f32[4,64,128] = aten.mm(%10, %11)  # blocks.0.fc1 fwd
+"""
+from __future__ import annotations
+
+import torch
+
+from .core import Op, OpKind, Program, Value
+
+
+def _target_name(target: str) -> str:
+    return target.removesuffix(".default")
+
+
+class _Namer:
+    def __init__(self) -> None:
+        self.names: dict[Value, str] = {}
+
+    def define(self, v: Value) -> str:
+        self.names[v] = f"%{len(self.names)}"
+        return self.names[v]
+
+    def __call__(self, v: Value) -> str:
+        return self.names.get(v, "%<undefined>")
+
+
+def _format_arg(a, name: _Namer) -> str:
+    if isinstance(a, Value):
+        return name(a)
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_format_arg(x, name) for x in a)
+        return f"[{inner}]"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k}={_format_arg(v, name)}" for k, v in a.items()) + "}"
+    if isinstance(a, torch.dtype):
+        return str(a).removeprefix("torch.")
+    if isinstance(a, torch.Tensor):
+        return f"tensor<{list(a.shape)}>"
+    return repr(a) if not isinstance(a, (torch.device, torch.layout, torch.memory_format)) else str(a)
+
+
+def _format_result(v: Value, name: _Namer) -> str:
+    text = f"{name.define(v)}: {v.type}"
+    if v.dist is not None:
+        text += f" {v.dist}"
+    return text
+
+
+def _format_op(op: Op, name: _Namer) -> str:
+    if op.kind is OpKind.OUTPUT:
+        pairs = ", ".join(f"{s}={name(v)}" for s, v in zip(op.attrs["slots"], op.args))
+        return f"output {pairs}"
+    lhs = ", ".join(_format_result(v, name) for v in op.outputs)
+    if op.kind is OpKind.INPUT:
+        return f"{lhs} = input {op.attrs['name']!r}"
+    if op.kind is OpKind.STATE:
+        return f"{lhs} = state {op.attrs['state'].value} {op.attrs['name']!r}"
+    args = [_format_arg(a, name) for a in op.args]
+    args += [f"{k}={_format_arg(v, name)}" for k, v in op.kwargs.items()]
+    shown_attrs = {k: v for k, v in op.attrs.items() if not k.startswith("_")}
+    attrs = f" {_format_arg(shown_attrs, name)}" if shown_attrs else ""
+    text = f"{lhs} = {_target_name(op.target)}({', '.join(args)}){attrs}"
+    note = [op.module or "-", op.role.value]
+    if op.forward_op is not None and op.forward_op.outputs:
+        note.append(f"of {name(op.forward_op.outputs[0])}")
+    return f"{text}  # {' '.join(note)}"
+
+
+def format_program(program: Program) -> str:
+    name = _Namer()
+    return "\n".join(_format_op(op, name) for op in program.ops) + "\n"

@@ -1,0 +1,83 @@
+"""A small GPT: token + position embedding, causal self-attention (SDPA or explicit
+softmax), GELU MLP, pre-LayerNorm, and an output head tied to the token embedding."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 128
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    sdpa: bool = True       # F.scaled_dot_product_attention, else an explicit masked softmax
+    tie_weights: bool = True
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.sdpa, self.p = cfg.n_head, cfg.sdpa, cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.p if self.training else 0.0)
+        else:
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+            att = self.drop(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
+            y = att @ v
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.n_embd), Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.fc1, self.fc2 = nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        pos = torch.arange(T, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,0 +1,27 @@
+"""What a pass may read besides the program: chosen once by the engine, never from the
+environment inside a pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..strategy import Strategy
+
+
+@dataclass
+class PassContext:
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer | None = None
+    param_names: dict[int, str] = field(default_factory=dict)   # id(parameter) -> FQN
+    mode: str = "train"
+    rank: int = 0
+    world_size: int = 1
+
+    def name_of(self, param: torch.Tensor) -> str:
+        try:
+            return self.param_names[id(param)]
+        except KeyError:
+            raise ValueError(
+                f"the optimizer holds a tensor of shape {list(param.shape)} that is not a "
+                "parameter of the model given to Engine") from None

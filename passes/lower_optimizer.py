@@ -1,0 +1,108 @@
+"""Append the optimizer's update as IR ops (role=opt), one op per parameter.
+
+Each torch.optim class maps to an entry saying which IR op updates a parameter, which state
+it carries and how that state starts (as torch's ``_init_group`` would make it). Adding an
+optimizer is adding an entry. Gradient results are consumed; each updated parameter and
+state becomes an ``update`` result that the runtime writes back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.optim.optimizer import _get_scalar_dtype
+
+from ..ir import OpaqueType, Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value
+from .context import PassContext
+
+
+def _zeros(param: torch.Tensor, group: dict) -> torch.Tensor:
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _step(param: torch.Tensor, group: dict) -> torch.Tensor:
+    on_device = group.get("capturable", False) or group.get("fused", False)
+    dtype = _get_scalar_dtype(is_fused=group.get("fused", False))
+    return torch.zeros((), dtype=dtype, device=param.device if on_device else None)
+
+
+def _absent(param: torch.Tensor, group: dict) -> None:
+    return None   # torch.optim.SGD makes the momentum buffer from the first gradient
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    target: str
+    states: Callable[[dict], tuple[tuple[str, Callable], ...]]
+
+
+def _adam_states(group: dict) -> tuple:
+    states = (("exp_avg", _zeros), ("exp_avg_sq", _zeros), ("step", _step))
+    return states + ((("max_exp_avg_sq", _zeros),) if group["amsgrad"] else ())
+
+
+OPTIMIZER_RULES: dict[type, OptimizerRule] = {
+    torch.optim.SGD: OptimizerRule("optim.sgd", lambda g: (("momentum_buffer", _absent),)),
+    torch.optim.Adam: OptimizerRule("optim.adam", _adam_states),
+    torch.optim.AdamW: OptimizerRule("optim.adam", _adam_states),
+}
+
+
+def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
+    try:
+        return OPTIMIZER_RULES[type(optimizer)]
+    except KeyError:
+        known = ", ".join(sorted(c.__name__ for c in OPTIMIZER_RULES))
+        raise NotImplementedError(
+            f"autopar cannot lower optimizer {type(optimizer).__qualname__}: supported are "
+            f"{known} (subclasses too can override step(), so they are refused)") from None
+
+
+def initial_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> dict:
+    """The optimizer state of ``param``: the optimizer's own if it has one (a resumed run),
+    else what torch would create on the first step."""
+    existing = optimizer.state.get(param, {})
+    return {name: existing[name] if name in existing else make(param, group)
+            for name, make in rule_for(optimizer).states(group)}
+
+
+def _state_type(name: str, param_value: Value, state: torch.Tensor | None) -> TensorType:
+    if state is None:
+        return param_value.type
+    return TensorType(tuple(state.shape), state.dtype)
+
+
+def lower_optimizer(program: Program, ctx: PassContext) -> Program:
+    optimizer = ctx.optimizer
+    if optimizer is None or ctx.mode != "train":
+        return program
+    rule = rule_for(optimizer)
+    grads = {slot.name: v for slot, v in program.results() if slot.kind == "grad"}
+    params = {op.attrs["name"]: op.result for op in program.states(StateKind.PARAM)}
+    results = [(s, v) for s, v in program.results() if s.kind != "grad"]
+    for index, group in enumerate(optimizer.param_groups):
+        hparams = program.add(Op(OpKind.INPUT, "input", outputs=[Value(OpaqueType("hparams"))],
+                                 role=Role.OPTIMIZER, attrs={"name": f"param_groups/{index}"}))
+        for param in group["params"]:
+            name = ctx.name_of(param)
+            if name not in grads:        # torch skips parameters without a gradient
+                continue
+            results += _lower_one(program, rule, name, params[name], grads[name],
+                                  hparams.result, initial_state(optimizer, group, param))
+    program.set_results(results)
+    return program
+
+
+def _lower_one(program: Program, rule: OptimizerRule, name: str, param: Value, grad: Value,
+               hparams: Value, state: dict) -> list[tuple[Slot, Value]]:
+    state_values = []
+    for key, tensor in state.items():
+        op = Op(OpKind.STATE, "state", outputs=[Value(_state_type(key, param, tensor))],
+                role=Role.OPTIMIZER, attrs={"state": StateKind.OPTIM, "name": f"{name}/{key}"})
+        state_values.append(program.add(op).result)
+    out_types = [param.type] + [v.type for v in state_values]
+    update = program.add_call(rule.target, (param, grad, hparams, *state_values), out_types,
+                              role=Role.OPTIMIZER, module=name.rpartition(".")[0])
+    names = [name] + [f"{name}/{key}" for key in state]
+    return [(Slot("update", n), v) for n, v in zip(names, update.outputs)]

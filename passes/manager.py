@@ -1,0 +1,74 @@
+"""The ordered list of passes and the loop that runs them: time each, verify between them
+(debug), dump each rank's program after each to ``<dump_dir>/rank<r>/<NN>_<pass>.txt``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..ir import Program, format_program, verify
+from .clip_grad import clip_grad
+from .context import PassContext
+from .dead_code import dead_code
+from .lower_optimizer import lower_optimizer
+
+PassFn = Callable[[Program, PassContext], Program]
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: PassFn
+
+
+# The pipeline, in order. Later issues add completion, partition, reshard, pipeline here.
+PIPELINE: tuple[Pass, ...] = (
+    Pass("dead_code", dead_code),
+    Pass("clip_grad", clip_grad),
+    Pass("lower_optimizer", lower_optimizer),
+)
+
+
+@dataclass
+class PassManager:
+    passes: tuple[Pass, ...] = PIPELINE
+    verify: bool = True
+    dump_dir: str | None = None
+    disabled: frozenset[str] = frozenset()
+    timings: dict[str, float] = field(default_factory=dict)
+    dumped: list[Path] = field(default_factory=list)
+
+    def run(self, program: Program, ctx: PassContext) -> Program:
+        unknown = self.disabled - {p.name for p in self.passes}
+        if unknown:
+            raise ValueError(f"cannot disable unknown passes {sorted(unknown)}; passes are "
+                             f"{[p.name for p in self.passes]}")
+        self._check(program, "capture", ctx, 0)
+        for number, p in enumerate(self.passes, start=1):
+            if p.name in self.disabled:
+                continue
+            start = time.perf_counter()
+            try:
+                program = p.run(program, ctx)
+            except Exception as exc:
+                exc.add_note(f"autopar: while running pass '{p.name}' (rank {ctx.rank}, "
+                             f"mode {ctx.mode})")
+                raise
+            self.timings[p.name] = time.perf_counter() - start
+            self._check(program, p.name, ctx, number)
+        return program
+
+    def _check(self, program: Program, name: str, ctx: PassContext, number: int) -> None:
+        if self.verify:
+            try:
+                verify(program)
+            except Exception as exc:
+                exc.add_note(f"autopar: the program is invalid after pass '{name}'")
+                raise
+        if self.dump_dir is not None:
+            prefix = "" if ctx.mode == "train" else f"{ctx.mode}_"
+            path = Path(self.dump_dir) / f"rank{ctx.rank}" / f"{prefix}{number:02d}_{name}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(format_program(program))
+            self.dumped.append(path)

@@ -1,0 +1,56 @@
+"""Run one rank's program step after step, holding its state (parameters, buffers,
+optimizer state) between steps."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ir import OpKind, Program, Slot, StateKind
+from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
+from .codegen import generate
+
+
+def _has_random_ops(program: Program) -> bool:
+    from .kernels import resolve
+    for op in program.ops_of(OpKind.CALL):
+        if op.target.startswith("aten.") and \
+                torch.Tag.nondeterministic_seeded in resolve(op.target).tags:
+            return True
+    return False
+
+
+class Executor:
+    """Compiles a program once; ``run`` feeds a step and writes state updates back.
+
+    ``state`` maps state names to tensors and is shared with the engine (and, in serial
+    runs, aliases the model's own parameters, so the model trains in place).
+    """
+
+    def __init__(self, program: Program, state: dict[str, Any]):
+        self.program = program
+        self.state = state
+        for op in program.ops_of(OpKind.STATE):
+            if op.attrs["state"] is StateKind.CONST:
+                state.setdefault(op.attrs["name"], op.attrs["_value"])
+        missing = [op.attrs["name"] for op in program.ops_of(OpKind.STATE)
+                   if op.attrs["name"] not in state]
+        if missing:
+            raise KeyError(f"no initial value for program state {missing[:5]}")
+        self.fn, self.source = generate(program)
+        self.slots: list[Slot] = [s for s, _ in program.results()]
+        self.random = _has_random_ops(program)
+
+    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+        with torch.no_grad():
+            if self.random and seed is not None:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed)
+                    values = self.fn(feeds, self.state)
+            else:
+                values = self.fn(feeds, self.state)
+        results = dict(zip(self.slots, values))
+        for slot, value in results.items():
+            if slot.kind == "update":
+                self.state[slot.name] = value
+        return results

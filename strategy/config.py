@@ -1,0 +1,247 @@
+"""The Strategy: every section of the strategy YAML, checked together against the mesh.
+
+Sections validate their own fields (``sections.py``); this module adds the facts that need
+the whole strategy: each ``axis`` is a dim of the mesh, parallel sections do not fight over
+one axis, the world size fits the mesh, and the engine can refuse sections it does not
+implement yet instead of silently ignoring them. No code here reads the environment: the
+engine passes ``os.environ`` where an override applies.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from .sections import (
+    STRICT,
+    AmpConfig,
+    DataParallelConfig,
+    DebugConfig,
+    GradClipConfig,
+    GradientMergeConfig,
+    MeshConfig,
+    PipelineConfig,
+    RecomputeConfig,
+    Section,
+    ShardingConfig,
+    TensorParallelConfig,
+    reject_unknown_keys,
+)
+from .yaml_io import dump_yaml, load_yaml
+
+# Sections that place work on a mesh dim, in the order their degrees are reported.
+AXIS_SECTIONS: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline", "sharding")
+# Pairs of sections that may name the same axis: ZeRO shards state across data-parallel ranks.
+SHAREABLE_AXES: frozenset[frozenset[str]] = frozenset({frozenset({"data_parallel", "sharding"})})
+# Never refused by check_supported: they exist from the first version on.
+ALWAYS_SUPPORTED: frozenset[str] = frozenset({"grad_clip", "debug", "seed"})
+# Environment variable that overrides debug.dump_dir (read by the engine, passed in).
+DUMP_DIR_ENV = "AUTOPAR_DUMP_DIR"
+
+
+class UnsupportedStrategyError(ValueError):
+    """An enabled strategy section that this version of autopar cannot honour yet.
+
+    ``sections`` lists the refused section names, in strategy order.
+    """
+
+    def __init__(self, descriptions: Mapping[str, str]) -> None:
+        self.descriptions = dict(descriptions)
+        self.sections = tuple(self.descriptions)
+        super().__init__("\n".join(
+            f"{name} is not supported yet in this version of autopar ({text})"
+            for name, text in self.descriptions.items()))
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, str]]]:
+        """Pickle by the constructor argument, so the error survives crossing processes."""
+        return type(self), (self.descriptions,)
+
+
+class Strategy(BaseModel):
+    """How to parallelise training: a mesh and the sections that place work on its dims.
+
+    Every section is optional and absent means off; ``Strategy()`` is serial on one device.
+    Instances are immutable and compare by value.
+    """
+
+    model_config = STRICT
+
+    mesh: MeshConfig | None = None
+    data_parallel: DataParallelConfig | None = None
+    tensor_parallel: TensorParallelConfig | None = None
+    pipeline: PipelineConfig | None = None
+    sharding: ShardingConfig | None = None
+    amp: AmpConfig = Field(default_factory=AmpConfig)
+    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
+    gradient_merge: GradientMergeConfig = Field(default_factory=GradientMergeConfig)
+    grad_clip: GradClipConfig = Field(default_factory=GradClipConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+    seed: int = Field(default=0, strict=True, ge=0, lt=2**64)  # what torch.manual_seed takes
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> Strategy:
+        """Load a strategy file; a ValueError names the file and what is wrong in it."""
+        path = Path(path)
+        with path.open(encoding="utf-8") as stream:
+            data = load_yaml(stream)
+        try:
+            return cls._from_data(data)
+        except ValueError as err:
+            raise ValueError(f"invalid strategy file {path}:\n{err}") from err
+
+    @classmethod
+    def from_yaml_str(cls, text: str) -> Strategy:
+        """Load a strategy from YAML text; an empty document is the serial strategy."""
+        return cls._from_data(load_yaml(text))
+
+    @classmethod
+    def _from_data(cls, data: Any) -> Strategy:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ValueError("a strategy YAML document must be a mapping of sections, "
+                             f"got {type(data).__name__}")
+        return cls.model_validate(data)
+
+    def to_yaml(self) -> str:
+        """Every present section with all its values; ``from_yaml_str`` reads it back equal."""
+        return dump_yaml({name: value for name, value in self.model_dump().items()
+                          if value is not None})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_level_keys(cls, data: Any) -> Any:
+        """Unknown keys are errors; a section written as null (``amp:``) means absent."""
+        if not isinstance(data, Mapping):
+            return data
+        reject_unknown_keys(data, cls.model_fields, "at the top level of the strategy")
+        return {key: value for key, value in data.items()
+                if not (value is None and key != "seed")}
+
+    @model_validator(mode="after")
+    def _fits_mesh(self) -> Strategy:
+        """All cross-section problems at once, each with the mesh they were checked against."""
+        problems = self._axis_problems() + self._shared_axis_problems() + self._split_problems()
+        if problems:
+            raise ValueError(f"strategy does not fit its mesh ({self.describe_mesh()}):\n  - "
+                             + "\n  - ".join(problems))
+        return self
+
+    def _axis_sections(self) -> dict[str, Section]:
+        """Present sections that name a mesh axis, by section name."""
+        return {name: getattr(self, name) for name in AXIS_SECTIONS
+                if getattr(self, name) is not None}
+
+    def _axis_problems(self) -> list[str]:
+        names = self.mesh.dim_names if self.mesh is not None else ()
+        return [f"{name}.axis {config.axis!r} is not one of the mesh dim_names"
+                for name, config in self._axis_sections().items() if config.axis not in names]
+
+    def _shared_axis_problems(self) -> list[str]:
+        sections = list(self._axis_sections().items())
+        return [f"{a}.axis and {b}.axis are both {ca.axis!r}; only data_parallel and sharding "
+                f"may share an axis"
+                for i, (a, ca) in enumerate(sections) for b, cb in sections[i + 1:]
+                if ca.axis == cb.axis and frozenset({a, b}) not in SHAREABLE_AXES]
+
+    def _split_problems(self) -> list[str]:
+        """An explicit split lists stage boundaries: one fewer than the number of stages."""
+        pipe = self.pipeline
+        if (pipe is None or pipe.split == "auto" or self.mesh is None
+                or pipe.axis not in self.mesh.dim_names):
+            return []  # no explicit split, or a bad axis that _axis_problems reports
+        size = self.mesh.axis_size(pipe.axis)
+        stages = pipe.num_stages(size)
+        if len(pipe.split) == stages - 1:
+            return []
+        return [f"pipeline.split lists {len(pipe.split)} stage boundaries {list(pipe.split)}, "
+                f"but axis {pipe.axis!r} of size {size} x vpp_chunks {pipe.vpp_chunks} = "
+                f"{stages} stages needs {stages - 1}"]
+
+    # ---- facts --------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Processes the strategy runs on: the mesh size, 1 without a mesh."""
+        return self.mesh.size if self.mesh is not None else 1
+
+    def degree(self, section: str) -> int:
+        """Ranks a parallel section spans: its axis size when on, 1 when off or absent."""
+        if section not in AXIS_SECTIONS:
+            raise KeyError(f"{section!r} is not a parallel section; those are {AXIS_SECTIONS}")
+        config = getattr(self, section)
+        if config is None or not config.is_enabled or self.mesh is None:
+            return 1
+        return self.mesh.axis_size(config.axis)
+
+    def parallel_degrees(self) -> dict[str, int]:
+        """Degree of every parallel section, in a fixed order (1 for those that are off)."""
+        return {name: self.degree(name) for name in AXIS_SECTIONS}
+
+    def enabled_sections(self) -> tuple[str, ...]:
+        """Sections that change the training program, in strategy order."""
+        return tuple(name for name in type(self).model_fields
+                     if isinstance(value := getattr(self, name), Section) and value.is_enabled)
+
+    def describe_mesh(self) -> str:
+        """The mesh in one phrase, for error messages."""
+        if self.mesh is None:
+            return "no mesh: serial, one device"
+        return (f"mesh shape {list(self.mesh.shape)}, dim_names {list(self.mesh.dim_names)}, "
+                f"{self.mesh.size} devices")
+
+    def describe_degrees(self) -> str:
+        """Each parallel degree with its axis, and the mesh dims no section uses."""
+        parts = []
+        for name in AXIS_SECTIONS:
+            config = getattr(self, name)
+            state = ("absent" if config is None else
+                     f"axis {config.axis!r}" if config.is_enabled else "off")
+            parts.append(f"{name}={self.degree(name)} ({state})")
+        used = {config.axis for config in self._axis_sections().values() if config.is_enabled}
+        unused = [n for n in (self.mesh.dim_names if self.mesh else ()) if n not in used]
+        if unused:
+            parts.append(f"dims used by no section (replicated): {unused}")
+        return ", ".join(parts)
+
+    # ---- checks the engine runs -----------------------------------------------------------
+
+    def check_world_size(self, world_size: int) -> None:
+        """Fail before any work when the launcher started a different number of processes."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world size must be a positive int, got {world_size!r}")
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} does not match the strategy, which needs "
+                f"{self.world_size} processes: {self.describe_mesh()}; degrees: "
+                f"{self.describe_degrees()}")
+
+    def check_supported(self, supported: Collection[str]) -> None:
+        """Refuse every enabled section not in ``supported``, so none is silently ignored.
+
+        grad_clip, debug and seed are always supported. Raises UnsupportedStrategyError
+        listing all refused sections with their values.
+        """
+        if isinstance(supported, str):
+            raise TypeError("check_supported takes a collection of section names, not a str")
+        unknown = sorted(set(supported) - set(type(self).model_fields))
+        if unknown:
+            raise ValueError(f"check_supported got unknown section names {unknown}; "
+                             f"sections are {list(type(self).model_fields)}")
+        refused = {name: getattr(self, name).describe() for name in self.enabled_sections()
+                   if name not in supported and name not in ALWAYS_SUPPORTED}
+        if refused:
+            raise UnsupportedStrategyError(refused)
+
+    def resolved_dump_dir(self, environ: Mapping[str, str]) -> str | None:
+        """Where IR dumps go: ``AUTOPAR_DUMP_DIR`` when set and non-empty, else debug.dump_dir.
+
+        The engine passes ``os.environ``; taking it as an argument keeps this pure and testable.
+        """
+        return environ.get(DUMP_DIR_ENV) or self.debug.dump_dir

@@ -1,0 +1,264 @@
+"""One pydantic model per section of the strategy YAML.
+
+Each model validates only its own fields; facts that need the mesh (does an axis exist, do two
+sections share one) are checked by ``Strategy`` where the mesh is known. Every model forbids
+unknown keys and names the key and the section, because a misspelt option that is silently
+ignored trains a different model than the user asked for.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .yaml_io import dump_flow
+
+# Mesh dim names are printed in IR dumps and placements, so they are plain identifiers.
+AxisName = Annotated[str, Field(strict=True, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+# Module names and plan patterns (``blocks.*.qkv``): any non-empty text without whitespace.
+ModulePattern = Annotated[str, Field(strict=True, pattern=r"^\S+$")]
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+StrictBool = Annotated[bool, Field(strict=True)]
+StrictFloat = Annotated[float, Field(strict=True)]
+
+STRICT = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+
+def reject_unknown_keys(data: Mapping[Any, Any], allowed: Iterable[str], where: str) -> None:
+    """Raise ValueError naming the first unknown key, where it was found and what is allowed.
+
+    ``where`` completes the sentence, e.g. "in section 'amp'".
+    """
+    allowed = list(allowed)
+    for key in data:
+        if key in allowed:
+            continue
+        close = difflib.get_close_matches(str(key), allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown key {key!r} {where}{hint}; "
+                         f"allowed keys: {', '.join(allowed)}")
+
+
+class Section(BaseModel):
+    """Base of every section: strict keys, immutable, and a notion of being switched on."""
+
+    model_config = STRICT
+    SECTION: ClassVar[str] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            reject_unknown_keys(data, cls.model_fields, f"in section {cls.SECTION!r}")
+        return data
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether this section changes the training program (presence, unless overridden)."""
+        return True
+
+    def describe(self) -> str:
+        """The section's values as one line of YAML, the way the user would write them."""
+        return f"{self.SECTION}: {dump_flow(self.model_dump())}"
+
+
+class MeshConfig(Section):
+    """The device mesh: ``shape`` gives each dim's size, the last dim is the fastest link."""
+
+    SECTION: ClassVar[str] = "mesh"
+    shape: tuple[PositiveInt, ...] = Field(min_length=1)
+    dim_names: tuple[AxisName, ...]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_dim_names(cls, data: Any) -> Any:
+        """A 1-D mesh may omit its name ("d0"); with more dims, which is which must be said."""
+        if not isinstance(data, Mapping) or "dim_names" in data:
+            return data
+        shape = data.get("shape")
+        if isinstance(shape, (list, tuple)) and len(shape) > 1:
+            raise ValueError(f"mesh with shape {list(shape)} needs dim_names, one per dim "
+                             f"(e.g. [dp, tp]); sections refer to mesh dims by name")
+        if isinstance(shape, (list, tuple)) and len(shape) == 1:
+            return {**data, "dim_names": ["d0"]}
+        return data
+
+    @model_validator(mode="after")
+    def _names_match_shape(self) -> MeshConfig:
+        if len(self.dim_names) != len(self.shape):
+            raise ValueError(f"mesh shape {list(self.shape)} has {len(self.shape)} dims but "
+                             f"dim_names {list(self.dim_names)} has {len(self.dim_names)}")
+        repeated = sorted({n for n in self.dim_names if self.dim_names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"mesh dim_names {list(self.dim_names)} repeat {repeated}")
+        return self
+
+    @property
+    def size(self) -> int:
+        """Number of devices (processes) the mesh spans."""
+        return math.prod(self.shape)
+
+    def axis_size(self, axis: str) -> int:
+        """Size of the named dim; KeyError if the mesh has no such dim."""
+        if axis not in self.dim_names:
+            raise KeyError(f"mesh {list(self.shape)} with dim_names {list(self.dim_names)} "
+                           f"has no dim named {axis!r}")
+        return self.shape[self.dim_names.index(axis)]
+
+    @property
+    def is_enabled(self) -> bool:
+        """A mesh of one device is the serial case."""
+        return self.size > 1
+
+
+class DataParallelConfig(Section):
+    """Inputs and labels are sharded on their batch dim over ``axis``; grads are averaged."""
+
+    SECTION: ClassVar[str] = "data_parallel"
+    axis: AxisName = "dp"
+
+
+class TensorParallelConfig(Section):
+    """Megatron-style layer sharding over ``axis``; ``plan`` maps module patterns to styles.
+
+    A plan entry is sugar for ``shard_tensor`` annotations on the matched module's parameters.
+    """
+
+    SECTION: ClassVar[str] = "tensor_parallel"
+    axis: AxisName = "tp"
+    plan: dict[ModulePattern, Literal["colwise", "rowwise", "vocab"]] = Field(default_factory=dict)
+    sequence_parallel: StrictBool = False
+
+
+class PipelineConfig(Section):
+    """Pipeline stages over ``axis``; ``split`` is "auto" or the module names where a stage
+    begins (stage boundaries, so one fewer than the number of stages)."""
+
+    SECTION: ClassVar[str] = "pipeline"
+    axis: AxisName = "pp"
+    schedule: Literal["FThenB", "1F1B", "VPP", "ZBH1"] = "1F1B"
+    micro_batches: PositiveInt = 1
+    split: Literal["auto"] | tuple[ModulePattern, ...] = "auto"
+    vpp_chunks: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _chunks_match_schedule(self) -> PipelineConfig:
+        """Chunks only mean something for VPP, and VPP with one chunk is just 1F1B."""
+        if self.schedule == "VPP" and self.vpp_chunks < 2:
+            raise ValueError("pipeline schedule VPP needs vpp_chunks >= 2 (model chunks per "
+                             f"stage), got {self.vpp_chunks}")
+        if self.schedule != "VPP" and self.vpp_chunks != 1:
+            raise ValueError(f"pipeline vpp_chunks={self.vpp_chunks} needs schedule VPP, "
+                             f"got {self.schedule}")
+        if isinstance(self.split, tuple) and len(set(self.split)) != len(self.split):
+            raise ValueError(f"pipeline split {list(self.split)} repeats a module name")
+        return self
+
+    def num_stages(self, axis_size: int) -> int:
+        """Stages in the whole pipeline: one per rank on the axis, times the VPP chunks."""
+        return axis_size * self.vpp_chunks
+
+
+class ShardingConfig(Section):
+    """ZeRO over ``axis``: 1 shards optimizer states, 2 also grads, 3 also parameters."""
+
+    SECTION: ClassVar[str] = "sharding"
+    axis: AxisName = "dp"
+    stage: Annotated[int, Field(strict=True, ge=0, le=3)] = 0
+
+    @property
+    def is_enabled(self) -> bool:
+        """Stage 0 keeps every state replicated: the same as no sharding."""
+        return self.stage > 0
+
+
+class AmpConfig(Section):
+    """Automatic mixed precision: compute in ``dtype``, keep fp32 master weights."""
+
+    SECTION: ClassVar[str] = "amp"
+    enable: StrictBool = False
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable
+
+
+class RecomputeConfig(Section):
+    """Activation recomputation: trade backward compute for activation memory."""
+
+    SECTION: ClassVar[str] = "recompute"
+    enable: StrictBool = False
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable
+
+
+class GradientMergeConfig(Section):
+    """Accumulate gradients over ``k_steps`` batches before one optimizer step."""
+
+    SECTION: ClassVar[str] = "gradient_merge"
+    k_steps: PositiveInt = 1
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.k_steps > 1
+
+
+class GradClipConfig(Section):
+    """Clip gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``.
+
+    ``max_norm`` null means no clipping; ``norm_type`` may be ``.inf`` (or the string "inf").
+    """
+
+    SECTION: ClassVar[str] = "grad_clip"
+    max_norm: StrictFloat | None = None
+    norm_type: StrictFloat = 2.0
+
+    @field_validator("norm_type", mode="before")
+    @classmethod
+    def _inf_from_text(cls, value: Any) -> Any:
+        """YAML reads ``inf`` as text (only ``.inf`` is a float); accept both spellings."""
+        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity"):
+            return math.inf
+        return value
+
+    @field_validator("max_norm")
+    @classmethod
+    def _positive_finite(cls, value: float | None) -> float | None:
+        if value is not None and not (0 < value < math.inf):
+            raise ValueError(f"grad_clip max_norm must be a finite number > 0 or null, got {value}")
+        return value
+
+    @field_validator("norm_type")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if not value > 0:  # also rejects nan
+            raise ValueError(f"grad_clip norm_type must be > 0 or inf, got {value}")
+        return value
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.max_norm is not None
+
+
+class DebugConfig(Section):
+    """Debug aids: IR dumps, verifiers between passes, strict SPMD rule lookup.
+
+    ``strict_rules`` makes an op without an SPMD rule an error instead of a replicate fallback.
+    These never change what is computed, so the section is never "enabled" as a feature.
+    """
+
+    SECTION: ClassVar[str] = "debug"
+    dump_dir: Annotated[str, Field(strict=True, min_length=1)] | None = None
+    verify: StrictBool = True
+    strict_rules: StrictBool = False
+
+    @property
+    def is_enabled(self) -> bool:
+        return False
