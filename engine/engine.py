@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..ir import Program, Slot, StateKind
-from ..ir.capture import StepSpec, capture
+from ..ir.capture import StepSpec, capture, flatten_batch
 from ..passes.context import PassContext
 from ..passes.manager import PassManager
 from ..runtime.executor import Executor
@@ -97,7 +97,7 @@ class Engine:
                     self.state.setdefault(f"{name}/{key}", value)
 
     def _feeds(self, inputs: Any, labels: Any, mode: str) -> dict[str, Any]:
-        feeds = {f"batch/{i}": leaf for i, leaf in enumerate(pytree.tree_leaves((inputs, labels)))}
+        feeds = {f"batch/{i}": t for i, t in enumerate(flatten_batch(inputs, labels)[0])}
         if mode == "train":
             feeds.update({f"param_groups/{i}": g for i, g in enumerate(self.optimizer.param_groups)})
         return feeds
@@ -108,6 +108,7 @@ class Engine:
         results = plan.executor.run(self._feeds(inputs, labels, "train"),
                                     seed=self.strategy.seed + self.global_step)
         self.global_step += 1
+        self.optimizer._opt_called = True   # tells LR schedulers the optimizer stepped
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return float(results[Slot("loss")])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import operator
 import traceback
 from dataclasses import dataclass
@@ -173,6 +174,21 @@ def call_model(model: torch.nn.Module, inputs: Any, labels: Any, loss_fn: Callab
     return args, kwargs
 
 
+def flatten_batch(inputs: Any, labels: Any) -> tuple[list[torch.Tensor], Callable[[list], Any]]:
+    """The batch's tensors in a fixed order, and how to rebuild ``(inputs, labels)`` from
+    them; non-tensor leaves (None labels, flags) stay as they are, part of the signature."""
+    leaves, spec = pytree.tree_flatten((inputs, labels))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def rebuild(tensors: list) -> Any:
+        full = list(leaves)
+        for i, t in zip(positions, tensors, strict=True):
+            full[i] = t
+        return pytree.tree_unflatten(full, spec)
+
+    return [leaves[i] for i in positions], rebuild
+
+
 def _named_state(model: torch.nn.Module):
     params = dict(model.named_parameters())          # tied weights appear once
     buffers = dict(model.named_buffers())
@@ -206,13 +222,13 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
     params, buffers = _named_state(model)
     param_names, buffer_names = list(params), list(buffers)
     trainable = [n for n in param_names if params[n].requires_grad] if mode == "train" else []
-    batch_leaves, batch_spec = pytree.tree_flatten((inputs, labels))
-    spec = StepSpec(mode, batch_spec)
+    batch_leaves, rebuild_batch = flatten_batch(inputs, labels)
+    spec = StepSpec(mode, pytree.tree_structure((inputs, labels)))
     notes = _Annotator(model)
     layout: dict[str, Any] = {"grads": [], "outputs": 0}
 
     def step(param_values, buffer_values, leaves):
-        x, y = pytree.tree_unflatten(leaves, batch_spec)
+        x, y = rebuild_batch(leaves)
         state = {**dict(zip(param_names, param_values)), **dict(zip(buffer_names, buffer_values))}
         args, kwargs = call_model(model, x, y, loss_fn)
         with notes.in_phase("fwd"):
@@ -286,11 +302,14 @@ def target_name(target: Any) -> str:
 class _Lowering:
     """Walks an fx graph in order and appends the IR ops it stands for."""
 
-    def __init__(self, program: Program, gm: fx.GraphModule, default_role: Role | None = None):
+    def __init__(self, program: Program, gm: fx.GraphModule, default_role: Role | None = None,
+                 attribute_paths: dict[int, str] | None = None):
         self.program = program
         self.gm = gm
         self.default_role = default_role
+        self.attribute_paths = attribute_paths or {}
         self.env: dict[fx.Node, Any] = {}
+        self.constants: dict[str, Value] = {}
         self.first_op_by_seq: dict[int, Op] = {}
 
     def bind(self, node: fx.Node, value: Any) -> None:
@@ -310,12 +329,18 @@ class _Lowering:
         raise CaptureError("traced graph has no output")
 
     def _constant(self, node: fx.Node) -> Value:
+        """One CONST state per traced constant (make_fx reads a reused constant through
+        several get_attr nodes of one target)."""
+        if node.target in self.constants:
+            return self.constants[node.target]
         tensor = getattr(self.gm, node.target)
+        label = self.attribute_paths.get(id(tensor), node.target)
         op = Op(OpKind.STATE, "state", outputs=[Value(_value_type(tensor))],
-                attrs={"state": StateKind.CONST, "name": f"const/{node.target}",
+                attrs={"state": StateKind.CONST, "name": f"const/{label}@{_digest(tensor)}",
                        "_value": tensor})
         self.program.ops.insert(self._state_insert_point(), op)
         op.outputs[0].producer = op
+        self.constants[node.target] = op.outputs[0]
         return op.outputs[0]
 
     def _state_insert_point(self) -> int:
@@ -352,6 +377,24 @@ class _Lowering:
         if role in (Role.FORWARD, Role.LOSS) and isinstance(seq, int):
             self.first_op_by_seq.setdefault(seq, op)
         self.bind(node, list(op.outputs) if multi else op.outputs[0])
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """Content address of a constant. Programs of one engine share one state table, and
+    fx numbers constants per trace (``_tensor_constant0`` in train and eval need not be the
+    same tensor), so a constant's state name must say what it holds."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    h = hashlib.sha1(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return h.hexdigest()[:10]
+
+
+def _attribute_paths(model: torch.nn.Module) -> dict[int, str]:
+    """Plain tensor attributes (neither parameter nor buffer, e.g. a rotary ``inv_freq``)
+    by identity -> their dotted path; make_fx bakes them into the graph as constants."""
+    return {id(v): f"{prefix}.{k}" if prefix else k
+            for prefix, m in model.named_modules() for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
 
 
 def lower_graph(program: Program, gm: fx.GraphModule, inputs: Sequence[Value], role: Role) -> Any:
@@ -391,15 +434,13 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
 
     placeholders: list[Value] = [state_value(n, params[n], StateKind.PARAM) for n in param_names]
     placeholders += [state_value(n, buffers[n], StateKind.BUFFER) for n in buffer_names]
-    batch_leaves = pytree.tree_leaves((inputs, labels))
+    batch_leaves, _ = flatten_batch(inputs, labels)
     for i, leaf in enumerate(batch_leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise CaptureError(f"batch element {i} is a {type(leaf).__name__}; autopar feeds "
-                               "tensors only (convert numbers with torch.tensor)")
         op = Op(OpKind.INPUT, "input", outputs=[Value(_value_type(leaf))], attrs={"name": f"batch/{i}"})
         placeholders.append(program.add(op).outputs[0])
 
-    traced = list(_Lowering(program, gm).run(placeholders))
+    lowering = _Lowering(program, gm, attribute_paths=_attribute_paths(model))
+    traced = list(lowering.run(placeholders))
     results: list[tuple[Slot, Value]] = []
     if mode != "predict":
         results.append((Slot("loss"), traced.pop(0)))

@@ -84,25 +84,30 @@ def lower_optimizer(program: Program, ctx: PassContext) -> Program:
     for index, group in enumerate(optimizer.param_groups):
         hparams = program.add(Op(OpKind.INPUT, "input", outputs=[Value(OpaqueType("hparams"))],
                                  role=Role.OPTIMIZER, attrs={"name": f"param_groups/{index}"}))
-        for param in group["params"]:
-            name = ctx.name_of(param)
-            if name not in grads:        # torch skips parameters without a gradient
-                continue
-            results += _lower_one(program, rule, name, params[name], grads[name],
-                                  hparams.result, initial_state(optimizer, group, param))
+        # torch skips parameters without a gradient
+        names = [n for n in (ctx.name_of(p) for p in group["params"]) if n in grads]
+        tensors = {ctx.name_of(p): p for p in group["params"]}
+        states = {n: _declare_states(program, n, params[n],
+                                     initial_state(optimizer, group, tensors[n])) for n in names}
+        for n in names:   # one run of updates per group: the runtime batches it in one call
+            results += _update(program, rule, n, params[n], grads[n], hparams.result, states[n])
     program.set_results(results)
     return program
 
 
-def _lower_one(program: Program, rule: OptimizerRule, name: str, param: Value, grad: Value,
-               hparams: Value, state: dict) -> list[tuple[Slot, Value]]:
-    state_values = []
+def _declare_states(program: Program, name: str, param: Value, state: dict) -> dict[str, Value]:
+    declared = {}
     for key, tensor in state.items():
         op = Op(OpKind.STATE, "state", outputs=[Value(_state_type(key, param, tensor))],
                 role=Role.OPTIMIZER, attrs={"state": StateKind.OPTIM, "name": f"{name}/{key}"})
-        state_values.append(program.add(op).result)
-    out_types = [param.type] + [v.type for v in state_values]
-    update = program.add_call(rule.target, (param, grad, hparams, *state_values), out_types,
+        declared[key] = program.add(op).result
+    return declared
+
+
+def _update(program: Program, rule: OptimizerRule, name: str, param: Value, grad: Value,
+            hparams: Value, states: dict[str, Value]) -> list[tuple[Slot, Value]]:
+    out_types = [param.type] + [v.type for v in states.values()]
+    update = program.add_call(rule.target, (param, grad, hparams, *states.values()), out_types,
                               role=Role.OPTIMIZER, module=name.rpartition(".")[0])
-    names = [name] + [f"{name}/{key}" for key in state]
+    names = [name] + [f"{name}/{key}" for key in states]
     return [(Slot("update", n), v) for n, v in zip(names, update.outputs)]

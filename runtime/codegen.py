@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from ..ir import Op, OpKind, Program, Value
-from .kernels import resolve
+from .kernels import BATCHED, resolve
 
 
 class _Emitter:
@@ -20,12 +20,13 @@ class _Emitter:
         self.globals: dict[str, Any] = {}
         self.kernel_names: dict[str, str] = {}
 
-    def kernel(self, target: str) -> str:
-        if target not in self.kernel_names:
-            name = "k_" + "".join(c if c.isalnum() else "_" for c in target)
-            self.globals[name] = resolve(target)
-            self.kernel_names[target] = name
-        return self.kernel_names[target]
+    def kernel(self, target: str, batched: bool = False) -> str:
+        key = target + ("[batched]" if batched else "")
+        if key not in self.kernel_names:
+            name = "k_" + "".join(c if c.isalnum() else "_" for c in key)
+            self.globals[name] = BATCHED[target][0] if batched else resolve(target)
+            self.kernel_names[key] = name
+        return self.kernel_names[key]
 
     def constant(self, obj: Any) -> str:
         name = f"c{len(self.globals)}"
@@ -78,16 +79,52 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str]) -> str:
     return f"{lhs} = {call}"
 
 
+def _batch_run(ops: list[Op], start: int) -> int:
+    """End index of the run of ops from ``start`` that one batched kernel call can take."""
+    first = ops[start]
+    if first.kind is not OpKind.CALL or first.target not in BATCHED or first.kwargs:
+        return start + 1
+    shared = BATCHED[first.target][1]
+    produced: set[Value] = set()
+    end = start
+    while end < len(ops):
+        op = ops[end]
+        if (op.kind is not OpKind.CALL or op.target != first.target or op.kwargs
+                or len(op.args) != len(first.args)
+                or any(op.args[i] is not first.args[i] for i in shared)
+                or any(v in produced for v in op.inputs)):
+            break
+        produced.update(op.outputs)
+        end += 1
+    return end
+
+
+def _emit_batched(run: list[Op], em: _Emitter, names: dict[Value, str]) -> str:
+    shared = BATCHED[run[0].target][1]
+    args = []
+    for i, a in enumerate(run[0].args):
+        column = [op.args[i] for op in run]
+        args.append(em.literal(a, names) if i in shared else em.literal(column, names))
+    lhs = "".join("(" + "".join(names[v] + ", " for v in op.outputs) + "), " for op in run)
+    return f"{lhs}= {em.kernel(run[0].target, batched=True)}({', '.join(args)})"
+
+
 def generate(program: Program, name: str = "step") -> tuple[Callable, str]:
     """Compile ``program`` to ``fn(feeds: dict, state: dict) -> tuple`` of its results."""
     em = _Emitter()
     names = {v: f"v{i}" for i, v in enumerate(v for op in program.ops for v in op.outputs)}
     dying = _last_uses(program)
     lines = [f"def {name}(feeds, state):"]
-    for i, op in enumerate(program.ops):
-        lines.append("    " + _emit_op(op, em, names))
-        if i in dying and op.kind is not OpKind.OUTPUT:
-            lines.append("    del " + ", ".join(names[v] for v in dying[i]))
+    ops, i = program.ops, 0
+    while i < len(ops):
+        end = _batch_run(ops, i)
+        line = _emit_batched(ops[i:end], em, names) if end - i > 1 else _emit_op(ops[i], em, names)
+        lines.append("    " + line)
+        dead = [names[v] for j in range(i, end) if ops[j].kind is not OpKind.OUTPUT
+                for v in dying.get(j, ())]
+        if dead:
+            lines.append("    del " + ", ".join(dead))
+        i = end
     source = "\n".join(lines) + "\n"
     code = compile(source, f"<autopar {name}>", "exec")
     namespace = dict(em.globals, torch=torch)

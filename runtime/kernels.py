@@ -6,18 +6,25 @@ naming the op and this table.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 KERNELS: dict[str, Callable] = {}
+# Optional list-taking versions: a run of ops with one target that share the arguments at
+# ``shared`` positions (e.g. one optimizer param group) becomes one call taking lists at the
+# other positions, as torch.optim updates a whole param group at once.
+BATCHED: dict[str, tuple[Callable, frozenset[int]]] = {}
 
 
-def kernel(target: str) -> Callable[[Callable], Callable]:
+def kernel(target: str, batched: Callable | None = None,
+           shared: Iterable[int] = ()) -> Callable[[Callable], Callable]:
     def register(fn: Callable) -> Callable:
         if target in KERNELS:
             raise ValueError(f"kernel for {target!r} registered twice")
         KERNELS[target] = fn
+        if batched is not None:
+            BATCHED[target] = (batched, frozenset(shared))
         return fn
     return register
 

@@ -1,9 +1,10 @@
 """Kernels of the IR optimizer ops.
 
-They call torch.optim's own functional implementations on one parameter, reading the live
-``param_group`` dict, so the update math is torch's exactly and any LR scheduler (or any
-scheduler of other hyper-parameters) acts on the next step. Kernels update in place, as
-torch does, and return the new state values for the runtime to write back.
+They call torch.optim's own functional implementations, reading the live ``param_group``
+dict, so the update math is torch's exactly and any LR scheduler (or any scheduler of other
+hyper-parameters) acts on the next step. Kernels update in place, as torch does, and return
+the new state values for the runtime to write back. Each has a batched form that updates a
+whole param group in one call, like ``optimizer.step()``.
 """
 from __future__ import annotations
 
@@ -14,27 +15,37 @@ from torch.optim.sgd import sgd as _sgd
 from .kernels import kernel
 
 
-@kernel("optim.sgd")
-def sgd_update(param, grad, group, momentum_buffer):
-    buffers = [momentum_buffer]
-    _sgd([param], [grad], buffers, weight_decay=group["weight_decay"],
+def sgd_group(params, grads, group, momentum_buffers):
+    buffers = list(momentum_buffers)
+    _sgd(list(params), list(grads), buffers, weight_decay=group["weight_decay"],
          momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
          nesterov=group["nesterov"], maximize=group["maximize"], has_sparse_grad=False,
          foreach=group.get("foreach"), fused=group.get("fused"))
-    return param, buffers[0]
+    return list(zip(params, buffers))
 
 
-@kernel("optim.adam")
-def adam_update(param, grad, group, exp_avg, exp_avg_sq, step, max_exp_avg_sq=None):
+@kernel("optim.sgd", batched=sgd_group, shared=[2])
+def sgd_update(param, grad, group, momentum_buffer):
+    return sgd_group([param], [grad], group, [momentum_buffer])[0]
+
+
+def adam_group(params, grads, group, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs=()):
     beta1, beta2 = group["betas"]
-    _adam([param], [grad], [exp_avg], [exp_avg_sq],
-          [max_exp_avg_sq] if group["amsgrad"] else [], [step],
-          amsgrad=group["amsgrad"], has_complex=torch.is_complex(param), beta1=beta1,
-          beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-          maximize=group["maximize"], foreach=group.get("foreach"),
+    params, grads = list(params), list(grads)
+    _adam(params, grads, list(exp_avgs), list(exp_avg_sqs),
+          list(max_exp_avg_sqs) if group["amsgrad"] else [], list(steps),
+          amsgrad=group["amsgrad"], has_complex=any(torch.is_complex(p) for p in params),
+          beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+          eps=group["eps"], maximize=group["maximize"], foreach=group.get("foreach"),
           capturable=group.get("capturable", False),
           differentiable=group.get("differentiable", False), fused=group.get("fused"),
           decoupled_weight_decay=group.get("decoupled_weight_decay", False))
     if group["amsgrad"]:
-        return param, exp_avg, exp_avg_sq, step, max_exp_avg_sq
-    return param, exp_avg, exp_avg_sq, step
+        return list(zip(params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs))
+    return list(zip(params, exp_avgs, exp_avg_sqs, steps))
+
+
+@kernel("optim.adam", batched=adam_group, shared=[2])
+def adam_update(param, grad, group, exp_avg, exp_avg_sq, step, max_exp_avg_sq=None):
+    extra = [[max_exp_avg_sq]] if max_exp_avg_sq is not None else []
+    return adam_group([param], [grad], group, [exp_avg], [exp_avg_sq], [step], *extra)[0]

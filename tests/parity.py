@@ -1,0 +1,57 @@
+"""Eager torch reference loops and comparison helpers for parity tests."""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch.utils.data import DataLoader
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def lm_data(n: int, seq: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    return [(t[:-1], t[1:]) for t in tokens]
+
+
+def regression_data(n: int, d_in: int, d_out: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(d_in, generator=g), torch.randn(d_out, generator=g)) for _ in range(n)]
+
+
+def eager_train(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                data, batch_size: int, steps: int, max_norm: float | None = None,
+                scheduler=None, seed: int = 0) -> list[float]:
+    """The single-device torch loop autopar must reproduce, step for step."""
+    losses = []
+    model.train()
+    for step, (x, y) in enumerate(DataLoader(data, batch_size=batch_size)):
+        if step >= steps:
+            break
+        torch.manual_seed(seed + step)     # what the engine does for random ops
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def twin(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(pa, pb, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def assert_same_losses(ours: list[float], ref: list[float]) -> None:
+    assert len(ours) == len(ref)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=RTOL, atol=ATOL)
