@@ -75,7 +75,7 @@ class Engine:
         key = (mode, _signature(inputs), _signature(labels))
         if key not in self._plans:
             if mode == "train" and self.optimizer is None:
-                raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
+                raise ValueError("training needs an optimizer: Engine(model, loss, optimizer=...)")
             captured = capture(self.model, self.loss, inputs, labels, mode=mode)
             ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode)
             manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
@@ -127,6 +127,8 @@ class Engine:
             collate_fn: Callable | None = None, shuffle: bool = False,
             verbose: int = 2) -> dict[str, list[float]]:
         """Train; ``history["loss"]`` holds one global-batch mean loss per step."""
+        if self.optimizer is None:
+            raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
         history = self.history
         for epoch in range(epochs):
             log = ProgressLog(verbose, log_freq, steps_per_epoch, f"epoch {epoch + 1}/{epochs}",

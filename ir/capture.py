@@ -117,15 +117,37 @@ def _link_backward_to_forward(root: torch.autograd.graph.Node | None) -> None:
 # --------------------------------------------------------------------------------------
 # model outputs: dicts, dataclasses and tuples with the loss inside
 # --------------------------------------------------------------------------------------
-def _to_tree(out: Any) -> Any:
-    """Dataclass outputs (not registered with pytree) become dicts of their fields."""
+class _Static:
+    """A non-tensor output leaf (``loss=None`` in predict, a flag): it rides in the tree
+    spec as context, so the program returns tensors only and unflattening the spec with
+    them restores the value itself."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+pytree.register_pytree_node(_Static, lambda s: ([], s.value), lambda _, value: value)
+
+
+def _to_tree(out: Any, path: str = "output") -> Any:
+    """The model output as a pytree of tensors: dataclasses (not registered with pytree)
+    become dicts of their fields, plain Python values become static leaves."""
+    if isinstance(out, torch.Tensor):
+        return out
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        return {f.name: _to_tree(getattr(out, f.name)) for f in dataclasses.fields(out)}
+        return {f.name: _to_tree(getattr(out, f.name), f"{path}.{f.name}")
+                for f in dataclasses.fields(out)}
     if isinstance(out, dict):
-        return {k: _to_tree(v) for k, v in out.items()}
-    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
-        return type(out)(_to_tree(v) for v in out)
-    return out
+        return {k: _to_tree(v, f"{path}[{k!r}]") for k, v in out.items()}
+    if isinstance(out, (list, tuple)):
+        items = [_to_tree(v, f"{path}[{i}]") for i, v in enumerate(out)]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if out is None or isinstance(out, (bool, int, float, str)):
+        return _Static(out)
+    raise CaptureError(
+        f"model {path} is a {type(out).__name__}: autopar returns tensors (and plain Python "
+        "values) from eval/predict programs, not objects built during tracing. Stop the "
+        "model from returning it (Hugging Face models: config.use_cache = False).")
 
 
 def loss_from_output(out: Any) -> torch.Tensor:

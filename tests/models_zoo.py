@@ -171,3 +171,31 @@ class GatedNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+class ModeConstantsNet(nn.Module):
+    """Tensors built in forward become traced constants; train mode has one more than eval,
+    so fx numbers the shared one differently in the two programs."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x * torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5, 1.0, 0.75])
+        return self.fc(x + torch.tensor([1.0, -1.0, 2.0, 0.0, 0.5, -0.5, 0.0, 1.0]))
+
+
+class OpaqueOutputNet(nn.Module):
+    """Returns an object that is neither a tensor nor a container of tensors."""
+
+    class Cache:
+        pass
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"logits": self.fc(x), "cache": self.Cache()}

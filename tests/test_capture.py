@@ -221,3 +221,52 @@ def test_data_dependent_control_flow_names_the_module():
     message = str(info.value)
     assert "blocks.1.gate" in message
     assert "torch.cond" in message
+
+
+# --------------------------------------------------------------------------------------
+# eval and predict after training: state and constants carry over, outputs rebuild
+# --------------------------------------------------------------------------------------
+def test_evaluate_after_fit_uses_trained_batchnorm_stats():
+    torch.manual_seed(0)
+    data = dense_data()
+    model, _ = check_parity(zoo.BatchNormNet(), F.cross_entropy, data, steps=2)
+    engine = ap.Engine(model, F.cross_entropy)
+    reference = copy.deepcopy(model).eval()
+    x, y = (torch.stack(t) for t in zip(*data))
+    with torch.no_grad():
+        want = F.cross_entropy(reference(x), y).item()
+    got = engine.evaluate(data, batch_size=len(data))["loss"]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert model.training   # capture restores the module's mode
+
+
+def test_constants_are_not_confused_between_train_and_eval_programs():
+    torch.manual_seed(0)
+    model = zoo.ModeConstantsNet()
+    data = dense_data()
+    engine = ap.Engine(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.fit(data, batch_size=4, epochs=1, steps_per_epoch=2, verbose=0)
+    reference = copy.deepcopy(model).eval()
+    x, y = (torch.stack(t) for t in zip(*data))
+    with torch.no_grad():
+        want = F.cross_entropy(reference(x), y).item()
+    assert engine.evaluate(data, batch_size=len(data))["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_predict_rebuilds_dataclass_with_none_fields():
+    torch.manual_seed(0)
+    model = zoo.DataclassLossNet()
+    x = torch.randn(6, 8)
+    engine = ap.Engine(model, None)
+    outputs = engine.predict([(xi, torch.tensor(0.0)) for xi in x], batch_size=3)
+    assert [type(o) for o in outputs] == [zoo.RegressionOutput] * 2
+    assert all(o.loss is None for o in outputs)
+    with torch.no_grad():
+        want = model.eval()(x).prediction
+    torch.testing.assert_close(torch.cat([o.prediction for o in outputs]), want, **TOL)
+
+
+def test_opaque_output_object_is_a_clear_error():
+    model = zoo.OpaqueOutputNet()
+    with pytest.raises(CaptureError, match=r"output\['cache'\] is a Cache"):
+        capture(model, None, torch.randn(2, 8), None, mode="predict")
