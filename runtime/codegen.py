@@ -24,7 +24,9 @@ class _Emitter:
         key = target + ("[batched]" if batched else "")
         if key not in self.kernel_names:
             name = "k_" + "".join(c if c.isalnum() else "_" for c in key)
-            self.globals[name] = BATCHED[target][0] if batched else resolve(target)
+            fn = BATCHED[target][0] if batched else resolve(target)
+            # an OpOverload's __call__ only forwards to its C++ builtin: call that directly
+            self.globals[name] = getattr(fn, "_op", fn)
             self.kernel_names[key] = name
         return self.kernel_names[key]
 

@@ -20,7 +20,8 @@ SEED = 0   # Strategy().seed
 
 def gpt2(attn: str) -> torch.nn.Module:
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
-                                  n_positions=32, attn_implementation=attn)
+                                  n_positions=32, bos_token_id=0, eos_token_id=0,
+                                  attn_implementation=attn)
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -70,3 +71,44 @@ def test_hf_causal_lm_parity(build, attn):
                                **TOL)
     for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"parameter {name}: {m}")
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_hf_evaluate_and_predict(build):
+    torch.manual_seed(0)
+    model = build("sdpa")
+    data = lm_data()
+    engine = ap.Engine(model, None)
+    # eval-mode HF models return their KV cache (an object made while tracing): refused
+    with pytest.raises(ap.ir.capture.CaptureError, match="use_cache"):
+        engine.evaluate(data, batch_size=BATCH)
+
+    model.config.use_cache = False
+    reference = copy.deepcopy(model).eval()
+    x = torch.stack([inputs["input_ids"] for inputs, _ in data])
+    with torch.no_grad():
+        losses = [reference(input_ids=b, labels=b).loss for b in x.split(BATCH)]
+        logits = reference(input_ids=x).logits
+    scores = engine.evaluate(data, batch_size=BATCH)
+    assert scores["loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+
+    outputs = engine.predict([inputs for inputs, _ in data], batch_size=BATCH)
+    assert type(outputs[0]) is type(reference(input_ids=x[:1]))
+    assert outputs[0].loss is None
+    torch.testing.assert_close(torch.cat([o.logits for o in outputs]), logits, **TOL)
+
+
+def test_hf_llama_ops_carry_module_paths():
+    from autopar.ir import OpKind, Role
+    from autopar.ir.capture import capture
+
+    model = llama("sdpa")
+    x = lm_data()[0][0]["input_ids"][None]
+    program = capture(model, None, {"input_ids": x}, x, mode="train").program
+    calls = list(program.ops_of(OpKind.CALL))
+    modules = {op.module for op in calls if op.role is Role.FORWARD}
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.gate_proj",
+            "model.layers.1.post_attention_layernorm", "lm_head"} <= modules
+    linked = [op for op in calls if op.role is Role.BACKWARD and op.forward_op is not None]
+    assert any(op.module == "model.layers.0.self_attn.q_proj" for op in linked)
+    assert all(op.module == op.forward_op.module for op in linked)
