@@ -134,6 +134,8 @@ def _to_tree(out: Any, path: str = "output") -> Any:
     become dicts of their fields, plain Python values become static leaves."""
     if isinstance(out, torch.Tensor):
         return out
+    if out is None or isinstance(out, (bool, int, float, str, torch.Size)):
+        return _Static(out)
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
         return {f.name: _to_tree(getattr(out, f.name), f"{path}.{f.name}")
                 for f in dataclasses.fields(out)}
@@ -142,8 +144,6 @@ def _to_tree(out: Any, path: str = "output") -> Any:
     if isinstance(out, (list, tuple)):
         items = [_to_tree(v, f"{path}[{i}]") for i, v in enumerate(out)]
         return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
-    if out is None or isinstance(out, (bool, int, float, str)):
-        return _Static(out)
     raise CaptureError(
         f"model {path} is a {type(out).__name__}: autopar returns tensors (and plain Python "
         "values) from eval/predict programs, not objects built during tracing. Stop the "

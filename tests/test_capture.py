@@ -15,7 +15,7 @@ from autopar.ir.capture import CaptureError, call_model, capture, loss_from_outp
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 
-import models_zoo as zoo
+from . import models_zoo as zoo
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -195,7 +195,7 @@ def test_ops_carry_module_paths_roles_and_backward_links():
     assert any(op.forward_op.module == "blocks.0.fc1" for op in linked)
     assert any(op.forward_op.module == "blocks.1.attn.qkv" for op in linked)
 
-    # every parameter gets a gradient result; a program op precedes every user
+    # every parameter (the tied one once) gets one gradient result
     grads = {s.name for s, _ in program.results() if s.kind == "grad"}
     assert grads == {n for n, _ in model.named_parameters()}
 
