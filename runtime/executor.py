@@ -39,18 +39,29 @@ class Executor:
             raise KeyError(f"no initial value for program state {missing[:5]}")
         self.fn, self.source = generate(program)
         self.slots: list[Slot] = [s for s, _ in program.results()]
+        self._updates = [(i, s.name) for i, s in enumerate(self.slots) if s.kind == "update"]
+        self._returned = [i for i, s in enumerate(self.slots) if s.kind != "update"]
         self.random = _has_random_ops(program)
 
+    def _run_seeded(self, feeds: dict[str, Any], seed: int) -> tuple:
+        """Random ops draw from the CPU generator seeded with ``seed`` (what
+        ``torch.manual_seed(seed)`` gives eager code); the caller's RNG state is restored.
+        Seeding the generator directly skips manual_seed's per-call accelerator hooks."""
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.manual_seed(seed)
+        try:
+            return self.fn(feeds, self.state)
+        finally:
+            generator.set_state(saved)
+
     def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+        """Run one step; state updates are written back, the other results returned."""
         with torch.no_grad():
             if self.random and seed is not None:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed)
-                    values = self.fn(feeds, self.state)
+                values = self._run_seeded(feeds, seed)
             else:
                 values = self.fn(feeds, self.state)
-        results = dict(zip(self.slots, values))
-        for slot, value in results.items():
-            if slot.kind == "update":
-                self.state[slot.name] = value
-        return results
+        for index, name in self._updates:
+            self.state[name] = values[index]
+        return {self.slots[i]: values[i] for i in self._returned}
