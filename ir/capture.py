@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import operator
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -27,14 +25,12 @@ from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from .core import (OpaqueType, Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value)
+from .core import Op, OpKind, Program, Role, Slot, StateKind, Value
+from .lower_fx import Lowering, value_type
 
 
 class CaptureError(RuntimeError):
     pass
-
-
-_PHASE_ROLE = {"fwd": Role.FORWARD, "loss": Role.LOSS, "bwd": Role.BACKWARD, "opt": Role.OPTIMIZER}
 
 
 # --------------------------------------------------------------------------------------
@@ -302,127 +298,12 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-# --------------------------------------------------------------------------------------
-# fx graph -> IR
-# --------------------------------------------------------------------------------------
-def _value_type(meta_val: Any) -> TensorType | OpaqueType:
-    if isinstance(meta_val, torch.Tensor):
-        return TensorType(tuple(int(d) for d in meta_val.shape), meta_val.dtype)
-    if meta_val is None:
-        return OpaqueType("none")
-    return OpaqueType(type(meta_val).__name__)
-
-
-def target_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" \
-            else f"{target.namespace}.{target._opname}.{target._overloadname}"
-    raise CaptureError(f"cannot lower fx target {target!r}: only ATen-level operators are "
-                       "expected after make_fx")
-
-
-class _Lowering:
-    """Walks an fx graph in order and appends the IR ops it stands for."""
-
-    def __init__(self, program: Program, gm: fx.GraphModule, default_role: Role | None = None,
-                 attribute_paths: dict[int, str] | None = None):
-        self.program = program
-        self.gm = gm
-        self.default_role = default_role
-        self.attribute_paths = attribute_paths or {}
-        self.env: dict[fx.Node, Any] = {}
-        self.constants: dict[str, Value] = {}
-        self.first_op_by_seq: dict[int, Op] = {}
-
-    def bind(self, node: fx.Node, value: Any) -> None:
-        self.env[node] = value
-
-    def run(self, placeholder_values: Sequence[Value]) -> Any:
-        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        for node, value in zip(placeholders, placeholder_values, strict=True):
-            self.bind(node, value)
-        for node in self.gm.graph.nodes:
-            if node.op == "get_attr":
-                self.bind(node, self._constant(node))
-            elif node.op == "call_function":
-                self._call(node)
-            elif node.op == "output":
-                return fx.node.map_arg(node.args[0], lambda n: self.env[n])
-        raise CaptureError("traced graph has no output")
-
-    def _constant(self, node: fx.Node) -> Value:
-        """One CONST state per traced constant (make_fx reads a reused constant through
-        several get_attr nodes of one target)."""
-        if node.target in self.constants:
-            return self.constants[node.target]
-        tensor = getattr(self.gm, node.target)
-        label = self.attribute_paths.get(id(tensor), node.target)
-        op = Op(OpKind.STATE, "state", outputs=[Value(_value_type(tensor))],
-                attrs={"state": StateKind.CONST, "name": f"const/{label}@{_digest(tensor)}",
-                       "_value": tensor})
-        self.program.ops.insert(self._state_insert_point(), op)
-        op.outputs[0].producer = op
-        self.constants[node.target] = op.outputs[0]
-        return op.outputs[0]
-
-    def _state_insert_point(self) -> int:
-        return sum(1 for op in self.program.ops if op.kind in (OpKind.INPUT, OpKind.STATE))
-
-    def _role_and_link(self, node: fx.Node) -> tuple[Role, str, Op | None]:
-        custom = node.meta.get("custom") or {}
-        if self.default_role is not None:
-            return self.default_role, custom.get("module", ""), None
-        role = _PHASE_ROLE[custom.get("phase", "fwd")]
-        module = custom.get("module", "")
-        seq = node.meta.get("seq_nr")
-        if role is Role.BACKWARD and isinstance(seq, int) and seq in self.first_op_by_seq:
-            forward = self.first_op_by_seq[seq]
-            return role, forward.module, forward
-        return role, module, None
-
-    def _call(self, node: fx.Node) -> None:
-        if node.target is operator.getitem:
-            source, index = node.args
-            self.bind(node, self.env[source][index])
-            return
-        role, module, forward = self._role_and_link(node)
-        args = fx.node.map_arg(node.args, lambda n: self.env[n])
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: self.env[n])
-        val = node.meta.get("val")
-        multi = isinstance(val, (list, tuple))
-        out_types = [_value_type(v) for v in val] if multi else [_value_type(val)]
-        op = self.program.add_call(target_name(node.target), tuple(args), out_types, role=role,
-                                   module=module, kwargs=dict(kwargs), forward_op=forward)
-        if multi:
-            op.attrs["_multi"] = True   # the kernel returns a sequence, even of one element
-        seq = node.meta.get("seq_nr")
-        if role in (Role.FORWARD, Role.LOSS) and isinstance(seq, int):
-            self.first_op_by_seq.setdefault(seq, op)
-        self.bind(node, list(op.outputs) if multi else op.outputs[0])
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    """Content address of a constant. Programs of one engine share one state table, and
-    fx numbers constants per trace (``_tensor_constant0`` in train and eval need not be the
-    same tensor), so a constant's state name must say what it holds."""
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    h = hashlib.sha1(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-    h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
-    return h.hexdigest()[:10]
-
-
 def _attribute_paths(model: torch.nn.Module) -> dict[int, str]:
     """Plain tensor attributes (neither parameter nor buffer, e.g. a rotary ``inv_freq``)
     by identity -> their dotted path; make_fx bakes them into the graph as constants."""
     return {id(v): f"{prefix}.{k}" if prefix else k
             for prefix, m in model.named_modules() for k, v in vars(m).items()
             if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
-
-
-def lower_graph(program: Program, gm: fx.GraphModule, inputs: Sequence[Value], role: Role) -> Any:
-    """Append a traced helper graph (clipping, loss scaling, ...) to ``program`` with one role,
-    reading ``inputs`` for its placeholders; returns its outputs as Values."""
-    return _Lowering(program, gm, default_role=role).run(inputs)
 
 
 # --------------------------------------------------------------------------------------
@@ -450,7 +331,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
     params, buffers = _named_state(model)
 
     def state_value(name: str, tensor: torch.Tensor, kind: StateKind) -> Value:
-        op = Op(OpKind.STATE, "state", outputs=[Value(_value_type(tensor))],
+        op = Op(OpKind.STATE, "state", outputs=[Value(value_type(tensor))],
                 attrs={"state": kind, "name": name})
         return program.add(op).outputs[0]
 
@@ -458,10 +339,10 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
     placeholders += [state_value(n, buffers[n], StateKind.BUFFER) for n in buffer_names]
     batch_leaves, _ = flatten_batch(inputs, labels)
     for i, leaf in enumerate(batch_leaves):
-        op = Op(OpKind.INPUT, "input", outputs=[Value(_value_type(leaf))], attrs={"name": f"batch/{i}"})
+        op = Op(OpKind.INPUT, "input", outputs=[Value(value_type(leaf))], attrs={"name": f"batch/{i}"})
         placeholders.append(program.add(op).outputs[0])
 
-    lowering = _Lowering(program, gm, attribute_paths=_attribute_paths(model))
+    lowering = Lowering(program, gm, attribute_paths=_attribute_paths(model))
     traced = list(lowering.run(placeholders))
     results: list[tuple[Slot, Value]] = []
     if mode != "predict":

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ir import Program, Role, Slot
-from ..ir.capture import lower_graph
+from ..ir import Program, Role
+from ..ir.lower_fx import lower_graph
 from .context import PassContext
 
 
