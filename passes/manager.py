@@ -57,7 +57,16 @@ class PassManager:
                 raise
             self.timings[p.name] = time.perf_counter() - start
             self._check(program, p.name, ctx, number)
+        self._dump_timings(ctx)
         return program
+
+    def _dump_timings(self, ctx: PassContext) -> None:
+        if self.dump_dir is None:
+            return
+        prefix = "" if ctx.mode == "train" else f"{ctx.mode}_"
+        lines = [f"{name:<24} {seconds * 1e3:9.2f} ms" for name, seconds in self.timings.items()]
+        path = Path(self.dump_dir) / f"rank{ctx.rank}" / f"{prefix}timings.txt"
+        path.write_text("\n".join(lines) + "\n")
 
     def _check(self, program: Program, name: str, ctx: PassContext, number: int) -> None:
         if self.verify:
