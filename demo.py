@@ -65,7 +65,10 @@ def main(steps: int = 300, batch_size: int = 16, dump_dir: str = "dumps/demo") -
     elapsed = time.perf_counter() - start
     scores = engine.evaluate(valid[:64], batch_size=batch_size)
     tokens_per_s = steps * batch_size * cfg.block_size / elapsed
-    print(f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} over {steps} steps "
+    losses = history["loss"]
+    window = max(1, min(25, len(losses) // 4))
+    first, last = (sum(part) / len(part) for part in (losses[:window], losses[-window:]))
+    print(f"mean loss of the first {window} steps {first:.3f} -> last {window} steps {last:.3f} "
           f"({tokens_per_s:,.0f} tokens/s); validation loss {scores['loss']:.3f}")
     print("sample:", repr(generate(engine, "def ", 60, cfg.block_size)))
     print(f"pass dumps (one file per pass, per rank): {Path(dump_dir).resolve()}/rank0/")

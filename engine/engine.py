@@ -130,8 +130,9 @@ class Engine:
         if self.optimizer is None:
             raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
         history = self.history
+        total = _steps_in(train_data, batch_size, steps_per_epoch)
         for epoch in range(epochs):
-            log = ProgressLog(verbose, log_freq, steps_per_epoch, f"epoch {epoch + 1}/{epochs}",
+            log = ProgressLog(verbose, log_freq, total, f"epoch {epoch + 1}/{epochs}",
                               enabled=self.is_logging_rank)
             for step, (inputs, labels) in enumerate(
                     batches(train_data, batch_size, collate_fn, shuffle, self.strategy.seed + epoch),
@@ -209,6 +210,16 @@ class Engine:
                 own = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
                 if own:
                     self.optimizer.state[p].update(own)
+
+
+def _steps_in(data, batch_size: int, limit: int | None) -> int | None:
+    """Steps per epoch for the progress display, when the data has a length."""
+    try:
+        batches_in_data = len(data) if isinstance(data, torch.utils.data.DataLoader) \
+            else -(-len(data) // batch_size)
+    except TypeError:
+        return limit
+    return batches_in_data if limit is None else min(limit, batches_in_data)
 
 
 def _named_metrics(metrics) -> dict[str, Metric]:
