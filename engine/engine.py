@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from ..ir import Program, Slot, StateKind
 from ..ir.capture import StepSpec, capture, flatten_batch
 from ..passes.context import PassContext
+from ..passes.lower_optimizer import initial_state
 from ..passes.manager import PassManager
 from ..runtime.executor import Executor
 from ..strategy import Strategy
@@ -86,7 +87,6 @@ class Engine:
         return self._plans[key]
 
     def _init_optimizer_state(self, program: Program) -> None:
-        from ..passes.lower_optimizer import initial_state
         wanted = {op.attrs["name"] for op in program.states(StateKind.OPTIM)}
         if not wanted - self.state.keys():
             return

@@ -1,6 +1,8 @@
 """Structural invariants of a Program, checked between passes in debug mode."""
 from __future__ import annotations
 
+import torch
+
 from .core import SLOT_KINDS, Op, OpKind, Program, Role, TensorType, Value
 
 
@@ -15,6 +17,8 @@ def _fail(op: Op, message: str) -> None:
 
 def _check_types(op: Op) -> None:
     for v in op.outputs:
+        if isinstance(v.type, TensorType) and not isinstance(v.type.dtype, torch.dtype):
+            _fail(op, f"result has no torch dtype ({v.type.dtype!r})")
         if isinstance(v.type, TensorType) and any((not isinstance(d, int)) or d < 0
                                                   for d in v.type.shape):
             _fail(op, f"result has a non-static shape {v.type.shape}")
