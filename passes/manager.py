@@ -11,6 +11,7 @@ from ..ir import Program, format_program, verify
 from .clip_grad import clip_grad
 from .context import PassContext
 from .dead_code import dead_code
+from .fold_noops import fold_noops
 from .lower_optimizer import lower_optimizer
 
 PassFn = Callable[[Program, PassContext], Program]
@@ -24,6 +25,7 @@ class Pass:
 
 # The pipeline, in order. Later issues add completion, partition, reshard, pipeline here.
 PIPELINE: tuple[Pass, ...] = (
+    Pass("fold_noops", fold_noops),
     Pass("dead_code", dead_code),
     Pass("clip_grad", clip_grad),
     Pass("lower_optimizer", lower_optimizer),

@@ -65,10 +65,10 @@ def test_prepare_plans_without_running_and_dumps_every_pass(tmp_path, monkeypatc
     before = copy.deepcopy(model.state_dict())
     program = engine.prepare(torch.randn(4, 16), torch.randn(4, 8))
     files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
-    assert files == ["00_capture.txt", "01_dead_code.txt", "02_clip_grad.txt",
-                     "03_lower_optimizer.txt", "timings.txt"]
+    assert files == ["00_capture.txt", "01_fold_noops.txt", "02_dead_code.txt",
+                     "03_clip_grad.txt", "04_lower_optimizer.txt", "timings.txt"]
     assert "lower_optimizer" in (tmp_path / "rank0" / "timings.txt").read_text()
-    final = (tmp_path / "rank0" / "03_lower_optimizer.txt").read_text()
+    final = (tmp_path / "rank0" / "04_lower_optimizer.txt").read_text()
     assert "optim.sgd" in final and "aten.linalg_vector_norm" in final
     assert "update[head.weight]=" in final
     assert any(op.target == "optim.sgd" for op in program.ops)

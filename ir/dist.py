@@ -1,0 +1,485 @@
+"""Distributed attributes: process meshes, placements, and sharding arithmetic.
+
+This is the vocabulary completion, partition and reshard speak. It is deliberately small,
+immutable and printable:
+
+* ``ProcessMesh`` — an n-D array of process ids with named dims. ``groups(dim)`` fixes the
+  order in which every rank creates its c10d groups (a different order on two ranks hangs).
+* ``Shard(d)`` / ``Replicate()`` / ``Partial(op)`` — one placement per mesh dim, the same
+  vocabulary as DTensor and OneFlow SBP.
+* ``DistAttr(mesh, placements)`` — what completion writes into ``Value.dist``; its ``str`` is
+  the compact, stable text IR dumps print after the value's type.
+* Chunk arithmetic with ``torch.chunk`` semantics (uneven allowed; chunk size ``ceil(n/k)``,
+  trailing chunks smaller or empty). Several mesh dims sharding one tensor dim nest in
+  mesh-dim order, as in DTensor: mesh dim 0 cuts first, later mesh dims cut the piece.
+* ``shard_tensor_local`` / ``assemble`` — the reference semantics of a placement on real
+  tensors: what each rank holds, and how the pieces make the global tensor again. Tests and
+  the simulator check every pass against these two functions.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ProcessMesh", "Placement", "Shard", "Replicate", "Partial", "PARTIAL_OPS", "DistAttr",
+    "local_size", "local_offset", "local_shape", "local_offsets", "local_slices",
+    "shard_tensor_local", "assemble", "format_placements",
+]
+
+Coordinate = tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- ProcessMesh
+
+
+def _nested_str(a: np.ndarray) -> str:
+    return str(a.tolist()).replace(" ", "")
+
+
+def _parse_ids(mesh: object) -> np.ndarray:
+    """Turn an array-like of ints into an int64 ndarray, refusing ragged, empty or float input."""
+    try:
+        arr = np.asarray(mesh.tolist() if isinstance(mesh, torch.Tensor) else mesh)
+    except ValueError as e:  # ragged nested lists
+        raise ValueError(f"ProcessMesh: mesh {mesh!r} is not a rectangular array: {e}") from None
+    if arr.ndim == 0 or arr.size == 0:
+        raise ValueError(f"ProcessMesh: mesh {mesh!r} must be a non-empty array of >= 1 dims")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"ProcessMesh: mesh {mesh!r} must hold integer process ids, "
+                         f"got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+class ProcessMesh:
+    """An n-D array of process ids (any non-negative, unique ids) with one name per dim.
+
+    Immutable and hashable: equal meshes are the same (shape, ids, dim_names), so passes can
+    use meshes as dict keys and compare them without caring who built them. Dim names
+    default to ``d0, d1, ...`` so every dim can be addressed by name.
+    """
+
+    __slots__ = ("_shape", "_ids", "_dim_names", "_coords")
+
+    def __init__(self, mesh: object, dim_names: Sequence[str] | None = None):
+        arr = _parse_ids(mesh)
+        names = tuple(f"d{i}" for i in range(arr.ndim)) if dim_names is None else tuple(dim_names)
+        text = f"shape {list(arr.shape)} dim_names {list(names)} ids {_nested_str(arr)}"
+        _validate_mesh(arr, names, text)
+        object.__setattr__(self, "_shape", tuple(int(s) for s in arr.shape))
+        object.__setattr__(self, "_ids", tuple(int(i) for i in arr.reshape(-1)))
+        object.__setattr__(self, "_dim_names", names)
+        coords = dict(zip(self._ids, itertools.product(*(range(s) for s in self._shape))))
+        object.__setattr__(self, "_coords", coords)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"ProcessMesh is immutable (tried to set {name!r})")
+
+    def __reduce__(self):
+        return (ProcessMesh, (self.tolist(), list(self._dim_names)))
+
+    # ----- properties
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return self._dim_names
+
+    @property
+    def process_ids(self) -> tuple[int, ...]:
+        """All ids, flat, row-major."""
+        return self._ids
+
+    @property
+    def size(self) -> int:
+        return len(self._ids)
+
+    def tolist(self) -> list:
+        """The ids as a nested list of the mesh's shape."""
+        return np.array(self._ids, dtype=np.int64).reshape(self._shape).tolist()
+
+    # ----- lookups
+
+    def dim_index(self, dim: int | str) -> int:
+        """Normalise a dim name or (possibly negative) index to an index in [0, ndim)."""
+        if isinstance(dim, str):
+            if dim not in self._dim_names:
+                raise ValueError(f"{self}: no mesh dim named {dim!r}")
+            return self._dim_names.index(dim)
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
+            raise ValueError(f"{self}: mesh dim {dim!r} out of range for a {self.ndim}-D mesh")
+        return dim % self.ndim
+
+    def dim_size(self, dim: int | str) -> int:
+        return self._shape[self.dim_index(dim)]
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._coords
+
+    def coordinate(self, rank: int) -> Coordinate | None:
+        """The rank's position in the mesh, or None when the rank is not part of it."""
+        return self._coords.get(rank)
+
+    def rank_at(self, coordinate: Sequence[int]) -> int:
+        """The process id at a coordinate (inverse of ``coordinate``)."""
+        coordinate = tuple(coordinate)
+        if len(coordinate) != self.ndim or not all(0 <= c < s for c, s in
+                                                   zip(coordinate, self._shape)):
+            raise ValueError(f"{self}: coordinate {coordinate} is outside the mesh")
+        return self._ids[int(np.ravel_multi_index(coordinate, self._shape))]
+
+    def coordinates(self) -> Iterator[Coordinate]:
+        """Every coordinate in row-major order (the order of ``process_ids``)."""
+        return itertools.product(*(range(s) for s in self._shape))
+
+    # ----- sub-meshes and groups
+
+    def groups(self, dim: int | str) -> list[list[int]]:
+        """The process groups along one mesh dim, in the order every rank must create them.
+
+        Each group holds the ranks whose coordinates differ only in ``dim``, ordered by their
+        index along ``dim``; groups come in row-major order of the other coordinates.
+        """
+        d = self.dim_index(dim)
+        arr = np.moveaxis(np.array(self._ids).reshape(self._shape), d, -1)
+        return arr.reshape(-1, self._shape[d]).tolist()
+
+    def group_of(self, rank: int, dim: int | str) -> list[int]:
+        """The one group of ``groups(dim)`` that contains ``rank``."""
+        coord = self._require(rank)
+        d = self.dim_index(dim)
+        return [self.rank_at(coord[:d] + (i,) + coord[d + 1:]) for i in range(self._shape[d])]
+
+    def submesh(self, **fixed: int) -> ProcessMesh:
+        """The mesh left after fixing some dims by name, e.g. ``mesh.submesh(pp=1)``.
+
+        The fixed dims disappear; at least one dim must stay free.
+        """
+        idx: list[object] = [slice(None)] * self.ndim
+        for name, i in fixed.items():
+            d = self.dim_index(name)
+            if not 0 <= i < self._shape[d]:
+                raise ValueError(f"{self}: index {i} out of range for mesh dim {name!r}")
+            idx[d] = i
+        kept = [n for n, ix in zip(self._dim_names, idx) if isinstance(ix, slice)]
+        if not kept:
+            raise ValueError(f"{self}: submesh({fixed}) fixes every dim; nothing is left")
+        return ProcessMesh(np.array(self._ids).reshape(self._shape)[tuple(idx)], kept)
+
+    def sub_mesh(self, dim: int | str, index: int) -> ProcessMesh:
+        """The (ndim-1)-D mesh at ``index`` along ``dim`` (a pipeline stage's mesh, say)."""
+        return self.submesh(**{self._dim_names[self.dim_index(dim)]: index})
+
+    def _require(self, rank: int) -> Coordinate:
+        coord = self.coordinate(rank)
+        if coord is None:
+            raise ValueError(f"{self}: rank {rank} is not in the mesh")
+        return coord
+
+    # ----- identity and text
+
+    def _key(self) -> tuple:
+        return (self._shape, self._ids, self._dim_names)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ProcessMesh) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _head(self) -> str:
+        return f"mesh[{','.join(map(str, self._shape))}]({','.join(self._dim_names)})"
+
+    def __str__(self) -> str:
+        return f"{self._head()}={_nested_str(np.array(self._ids).reshape(self._shape))}"
+
+    def short(self) -> str:
+        """Compact text for dumps: ``mesh[2,2](dp,tp)`` when ids are 0..size-1 in order;
+        otherwise the full form, so two stage meshes never print alike."""
+        return self._head() if self._ids == tuple(range(self.size)) else str(self)
+
+    def __repr__(self) -> str:
+        return f"ProcessMesh({self.tolist()}, dim_names={list(self._dim_names)})"
+
+
+def _validate_mesh(arr: np.ndarray, names: tuple[str, ...], text: str) -> None:
+    if (arr < 0).any():
+        raise ValueError(f"ProcessMesh: process ids must be non-negative ({text})")
+    if len(np.unique(arr)) != arr.size:
+        raise ValueError(f"ProcessMesh: process ids must be unique ({text})")
+    if len(names) != arr.ndim:
+        raise ValueError(f"ProcessMesh: {len(names)} dim_names for a {arr.ndim}-D mesh ({text})")
+    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"ProcessMesh: dim_names must be unique non-empty strings ({text})")
+
+
+# --------------------------------------------------------------------------- placements
+
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a tensor lies along one mesh dim. Subclasses: Shard, Replicate, Partial."""
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return isinstance(self, Shard) and (dim is None or self.dim == dim)
+
+    def is_replicate(self) -> bool:
+        return isinstance(self, Replicate)
+
+    def is_partial(self) -> bool:
+        return isinstance(self, Partial)
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    """Tensor dim ``dim`` is cut into ``torch.chunk`` pieces along the mesh dim.
+
+    ``dim`` is non-negative: a negative dim would make ``Shard(-1)`` and ``Shard(1)`` unequal
+    spellings of one placement; normalise with ``dim % ndim`` first.
+    """
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise ValueError(f"Shard(dim={self.dim!r}): dim must be a non-negative int")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    """Every rank along the mesh dim holds the whole tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    """Every rank holds a term; the tensor is the ``op``-reduction over the mesh dim."""
+
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in PARTIAL_OPS:
+            raise ValueError(f"Partial(op={self.op!r}): op must be one of {PARTIAL_OPS}")
+
+    def __str__(self) -> str:
+        return f"P({self.op})"
+
+
+def format_placements(placements: Iterable[Placement]) -> str:
+    """``{S(0),R}`` — the placement part of a DistAttr's text."""
+    return "{" + ",".join(str(p) for p in placements) + "}"
+
+
+# --------------------------------------------------------------------------- DistAttr
+
+
+@dataclass(frozen=True)
+class DistAttr:
+    """A value's distribution: one placement per mesh dim. What completion writes and
+    partition/reshard read. Shape-independent; ``check(shape)`` binds it to a tensor."""
+
+    mesh: ProcessMesh
+    placements: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placements", tuple(self.placements))
+        if not isinstance(self.mesh, ProcessMesh):
+            raise TypeError(f"DistAttr: mesh must be a ProcessMesh, got {self.mesh!r}")
+        bad = [p for p in self.placements if not isinstance(p, Placement)]
+        if bad:
+            raise TypeError(f"DistAttr on {self.mesh}: not placements: {bad!r}")
+        if len(self.placements) != self.mesh.ndim:
+            raise ValueError(f"DistAttr: {len(self.placements)} placements "
+                             f"{format_placements(self.placements)} for {self.mesh.ndim}-D "
+                             f"{self.mesh}")
+
+    @classmethod
+    def replicated(cls, mesh: ProcessMesh) -> DistAttr:
+        return cls(mesh, (Replicate(),) * mesh.ndim)
+
+    def check(self, shape: Sequence[int]) -> DistAttr:
+        """Raise ValueError unless every Shard dim exists in a tensor of ``shape``."""
+        bad = [p for p in self.placements if p.is_shard() and p.dim >= len(shape)]
+        if bad:
+            raise ValueError(f"DistAttr {format_placements(self.placements)} on {self.mesh} "
+                             f"shards dim {bad[0].dim} of a tensor of shape {list(shape)} "
+                             f"({len(shape)} dims)")
+        return self
+
+    def with_placement(self, mesh_dim: int | str, placement: Placement) -> DistAttr:
+        """A copy with one mesh dim's placement replaced."""
+        d = self.mesh.dim_index(mesh_dim)
+        return DistAttr(self.mesh, self.placements[:d] + (placement,) + self.placements[d + 1:])
+
+    def shard_mesh_dims(self, tensor_dim: int) -> list[int]:
+        """The mesh dims sharding ``tensor_dim``, in nesting (mesh-dim) order."""
+        return [i for i, p in enumerate(self.placements) if p.is_shard(tensor_dim)]
+
+    def partial_mesh_dims(self) -> dict[int, str]:
+        """Mesh dim -> reduce op for every Partial placement."""
+        return {i: p.op for i, p in enumerate(self.placements) if isinstance(p, Partial)}
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+    def local_shape(self, global_shape: Sequence[int], coordinate: Sequence[int]) -> tuple:
+        return local_shape(global_shape, self.mesh, self.placements, coordinate)
+
+    def __str__(self) -> str:
+        return f"{format_placements(self.placements)} @{self.mesh.short()}"
+
+
+# --------------------------------------------------------------------------- chunk arithmetic
+
+
+def _check_chunk_args(global_size: int, num_chunks: int, index: int) -> None:
+    if global_size < 0 or num_chunks < 1 or not 0 <= index < num_chunks:
+        raise ValueError(f"chunk of size {global_size} into {num_chunks}: bad index {index}")
+
+
+def local_offset(global_size: int, num_chunks: int, index: int) -> int:
+    """Start of chunk ``index`` of ``torch.chunk(range(global_size), num_chunks)``; an
+    empty trailing chunk starts at ``global_size``."""
+    _check_chunk_args(global_size, num_chunks, index)
+    return min(index * -(-global_size // num_chunks), global_size)
+
+
+def local_size(global_size: int, num_chunks: int, index: int) -> int:
+    """Length of chunk ``index``: ``ceil(n/k)`` for leading chunks, then smaller, then 0."""
+    _check_chunk_args(global_size, num_chunks, index)
+    step = -(-global_size // num_chunks)
+    return max(0, min(step, global_size - index * step))
+
+
+def _check_coordinate(mesh: ProcessMesh, placements: Sequence[Placement],
+                      coordinate: Sequence[int]) -> None:
+    if len(placements) != mesh.ndim or len(coordinate) != mesh.ndim or not all(
+            0 <= c < s for c, s in zip(coordinate, mesh.shape)):
+        raise ValueError(f"{format_placements(placements)} on {mesh}: bad coordinate "
+                         f"{tuple(coordinate)}")
+
+
+def local_offsets(global_shape: Sequence[int], mesh: ProcessMesh,
+                  placements: Sequence[Placement], coordinate: Sequence[int]
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of the piece at ``coordinate``.
+
+    Shards of one tensor dim nest in mesh-dim order: each later mesh dim chunks the piece
+    the earlier ones left (DTensor's order), so offsets accumulate.
+    """
+    _check_coordinate(mesh, placements, coordinate)
+    DistAttr(mesh, tuple(placements)).check(global_shape)
+    size, start = list(global_shape), [0] * len(global_shape)
+    for p, n, c in zip(placements, mesh.shape, coordinate):
+        if isinstance(p, Shard):
+            start[p.dim] += local_offset(size[p.dim], n, c)
+            size[p.dim] = local_size(size[p.dim], n, c)
+    return tuple(size), tuple(start)
+
+
+def local_shape(global_shape: Sequence[int], mesh: ProcessMesh,
+                placements: Sequence[Placement], coordinate: Sequence[int]) -> tuple[int, ...]:
+    """Shape of the piece the rank at ``coordinate`` holds."""
+    return local_offsets(global_shape, mesh, placements, coordinate)[0]
+
+
+def local_slices(global_shape: Sequence[int], mesh: ProcessMesh,
+                 placements: Sequence[Placement], coordinate: Sequence[int]
+                 ) -> tuple[slice, ...]:
+    """Index of the rank's piece in the global tensor: ``full[local_slices(...)]``."""
+    size, start = local_offsets(global_shape, mesh, placements, coordinate)
+    return tuple(slice(o, o + n) for o, n in zip(start, size))
+
+
+# --------------------------------------------------------------------------- reference semantics
+
+
+def _keeps_partial_value(placements: Sequence[Placement], coordinate: Sequence[int]) -> bool:
+    """R -> P(sum) keeps the value at index 0 of each sum-partial mesh dim, zeros elsewhere;
+    avg/max/min are idempotent over equal terms, so every rank keeps the value."""
+    return all(c == 0 for p, c in zip(placements, coordinate)
+               if isinstance(p, Partial) and p.op == "sum")
+
+
+def shard_tensor_local(tensor: torch.Tensor, mesh: ProcessMesh,
+                       placements: Sequence[Placement], coordinate: Sequence[int]
+                       ) -> torch.Tensor:
+    """The piece of a full ``tensor`` that the rank at ``coordinate`` holds.
+
+    Returns a fresh contiguous tensor, never a view, so a rank updating its piece in place
+    (an optimizer step in the simulator) cannot touch the others' pieces.
+    """
+    piece = tensor[local_slices(tensor.shape, mesh, placements, coordinate)]
+    if not _keeps_partial_value(placements, coordinate):
+        return torch.zeros_like(piece, memory_format=torch.contiguous_format)
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
+def _reduce(terms: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack(terms)
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        total = stacked.sum(0)
+        return total / len(terms) if total.is_floating_point() else total // len(terms)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+def _fold(pieces: Mapping[Coordinate, torch.Tensor], p: Placement,
+          n: int) -> dict[Coordinate, torch.Tensor]:
+    """Combine pieces along the last coordinate component: cat shards, reduce partials,
+    take index 0 of replicas (replicas are assumed equal, not checked)."""
+    out: dict[Coordinate, torch.Tensor] = {}
+    for prefix in {c[:-1] for c in pieces}:
+        row = [pieces[prefix + (i,)] for i in range(n)]
+        if isinstance(p, Shard):
+            out[prefix] = torch.cat(row, dim=p.dim)
+        elif isinstance(p, Partial):
+            out[prefix] = _reduce(row, p.op)
+        else:
+            out[prefix] = row[0]
+    return out
+
+
+def assemble(pieces: Mapping[Sequence[int], torch.Tensor], global_shape: Sequence[int],
+             mesh: ProcessMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """The global tensor from every rank's piece (inverse of ``shard_tensor_local``).
+
+    Folds mesh dims from the last to the first: the last mesh dim cut innermost, so
+    undoing the cuts in reverse order restores nested shards. Checks that every coordinate
+    is present and every piece has its ``local_shape``.
+    """
+    pieces = {tuple(c): t for c, t in pieces.items()}
+    for c in mesh.coordinates():
+        want = local_shape(global_shape, mesh, placements, c)
+        if c not in pieces:
+            raise ValueError(f"assemble {format_placements(placements)} on {mesh}: "
+                             f"no piece for coordinate {c}")
+        if tuple(pieces[c].shape) != want:
+            raise ValueError(f"assemble {format_placements(placements)} on {mesh}: piece at "
+                             f"{c} has shape {list(pieces[c].shape)}, expected {list(want)}")
+    if len(pieces) != mesh.size:
+        extra = sorted(set(pieces) - set(mesh.coordinates()))
+        raise ValueError(f"assemble on {mesh}: coordinates {extra} are outside the mesh")
+    for d in reversed(range(mesh.ndim)):
+        pieces = _fold(pieces, placements[d], mesh.shape[d])
+    return pieces[()]
