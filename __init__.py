@@ -4,6 +4,7 @@ A user's ``nn.Module``, loss and ``torch.optim`` optimizer are captured as one p
 whole training step, transformed by passes into one program per rank, and run.
 """
 from .engine import Engine
+from .ir.dist import Partial, ProcessMesh, Replicate, Shard
 from .strategy import Strategy
 
-__all__ = ["Engine", "Strategy"]
+__all__ = ["Engine", "Partial", "ProcessMesh", "Replicate", "Shard", "Strategy"]
