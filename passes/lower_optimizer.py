@@ -59,16 +59,19 @@ def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
             f"{known} (subclasses too can override step(), so they are refused)") from None
 
 
-def initial_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> dict:
+def initial_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
+                  like: torch.Tensor | None = None) -> dict:
     """The optimizer state of ``param``: the optimizer's own if it has one (a resumed run),
-    else what torch would create on the first step."""
+    else what torch would create on the first step, made like ``like`` (planning passes a
+    meta tensor: it needs the state's types, not its memory)."""
     existing = optimizer.state.get(param, {})
-    return {name: existing[name] if name in existing else make(param, group)
+    template = param if like is None else like
+    return {name: existing[name] if name in existing else make(template, group)
             for name, make in rule_for(optimizer).states(group)}
 
 
-def _state_type(name: str, param_value: Value, state: torch.Tensor | None) -> TensorType:
-    if state is None:
+def _state_type(param_value: Value, state: torch.Tensor | None) -> TensorType:
+    if state is None:   # SGD's momentum buffer before the first step: shaped like the param
         return param_value.type
     return TensorType(tuple(state.shape), state.dtype)
 
@@ -88,7 +91,9 @@ def lower_optimizer(program: Program, ctx: PassContext) -> Program:
         names = [n for n in (ctx.name_of(p) for p in group["params"]) if n in grads]
         tensors = {ctx.name_of(p): p for p in group["params"]}
         states = {n: _declare_states(program, n, params[n],
-                                     initial_state(optimizer, group, tensors[n])) for n in names}
+                                     initial_state(optimizer, group, tensors[n],
+                                                   like=tensors[n].detach().to("meta")))
+                  for n in names}
         for n in names:   # one run of updates per group: the runtime batches it in one call
             results += _update(program, rule, n, params[n], grads[n], hparams.result, states[n])
     program.set_results(results)
@@ -98,7 +103,7 @@ def lower_optimizer(program: Program, ctx: PassContext) -> Program:
 def _declare_states(program: Program, name: str, param: Value, state: dict) -> dict[str, Value]:
     declared = {}
     for key, tensor in state.items():
-        op = Op(OpKind.STATE, "state", outputs=[Value(_state_type(key, param, tensor))],
+        op = Op(OpKind.STATE, "state", outputs=[Value(_state_type(param, tensor))],
                 role=Role.OPTIMIZER, attrs={"state": StateKind.OPTIM, "name": f"{name}/{key}"})
         declared[key] = program.add(op).result
     return declared
