@@ -19,6 +19,7 @@ immutable and printable:
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
@@ -28,7 +29,7 @@ import torch
 __all__ = [
     "ProcessMesh", "Placement", "Shard", "Replicate", "Partial", "PARTIAL_OPS", "DistAttr",
     "local_size", "local_offset", "local_shape", "local_offsets", "local_slices",
-    "shard_tensor_local", "assemble", "format_placements",
+    "shard_tensor_local", "assemble", "format_placements", "parse_placements",
 ]
 
 Coordinate = tuple[int, ...]
@@ -286,6 +287,24 @@ class Partial(Placement):
 def format_placements(placements: Iterable[Placement]) -> str:
     """``{S(0),R}`` — the placement part of a DistAttr's text."""
     return "{" + ",".join(str(p) for p in placements) + "}"
+
+
+_PLACEMENT_TEXT = re.compile(r"^(?:S\((\d+)\)|R|P(?:\((sum|avg|max|min)\))?)$")
+
+
+def parse_placements(text: str) -> tuple[Placement, ...]:
+    """Inverse of ``format_placements``: ``"S(0),R"`` or ``"{S(0),P(sum)}"``."""
+    items = [t.strip() for t in text.strip().strip("{}").split(",") if t.strip()]
+    placements: list[Placement] = []
+    for item in items:
+        match = _PLACEMENT_TEXT.match(item)
+        if match is None:
+            raise ValueError(f"cannot read placement {item!r} in {text!r}: expected S(<dim>), "
+                             "R or P(sum|avg|max|min)")
+        shard, op = match.groups()
+        placements.append(Shard(int(shard)) if shard is not None
+                          else Replicate() if item == "R" else Partial(op or "sum"))
+    return tuple(placements)
 
 
 # --------------------------------------------------------------------------- DistAttr

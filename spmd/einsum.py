@@ -1,0 +1,218 @@
+"""Forward and reverse sharding inference over an einsum-like Spec (Paddle's method).
+
+Forward: per mesh dim, list the placements the determined inputs suggest (a sharded letter,
+a partial that passes through a linear op, or replicate), price each by the bytes the inputs
+would have to move to agree with it, and take the cheapest. A sharded letter absent from an
+output makes that output Partial. Inputs with no placement yet move for free and so follow.
+
+Reverse: from the placements wanted for the outputs, the placements the inputs should take,
+so a value with no placement of its own can be given the one its consumers want.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..ir.core import TensorType
+from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
+from .cost import reshard_bytes
+from .spec import UNSHARDABLE, Spec
+
+
+class SpecError(ValueError):
+    """A spec does not fit the op it was written for (arity or rank)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    kind: str          # "shard" | "partial" | "replicate"
+    arg: str = ""      # the letter, or the partial op
+
+    def __str__(self) -> str:
+        return {"shard": f"shard '{self.arg}'", "partial": f"P({self.arg})"}.get(self.kind, "R")
+
+
+REPLICATE = Option("replicate")
+
+
+@dataclass(frozen=True)
+class MeshDimChoice:
+    """What one mesh dim was given, what it cost, and what else was priced (for explain)."""
+
+    mesh_dim: int
+    chosen: Option
+    cost: float
+    alternatives: tuple[tuple[Option, float], ...]
+
+
+@dataclass(frozen=True)
+class Decision:
+    needs: tuple[DistAttr, ...]               # placement each tensor input must have
+    outputs: tuple[DistAttr | None, ...]      # placement of each output (None: not a tensor)
+    choices: tuple[MeshDimChoice, ...]
+
+
+def check_spec(spec: Spec, in_types: Sequence[TensorType],
+               out_types: Sequence[TensorType | None], what: str) -> None:
+    if len(spec.inputs) != len(in_types) or len(spec.outputs) != len(out_types):
+        raise SpecError(f"{what}: spec {spec} has {len(spec.inputs)} inputs/"
+                        f"{len(spec.outputs)} outputs, the op has {len(in_types)} tensor "
+                        f"inputs/{len(out_types)} outputs")
+    for letters, t in zip((*spec.inputs, *spec.outputs), (*in_types, *out_types)):
+        if (letters is None) != (t is None) or (t is not None and len(letters) != len(t.shape)):
+            raise SpecError(f"{what}: spec {spec} letters {letters!r} do not fit a value "
+                            f"of type {t}")
+
+
+def letter_sizes(spec: Spec, in_types, out_types) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for letters, t in zip((*spec.inputs, *spec.outputs), (*in_types, *out_types)):
+        if letters is None:
+            continue
+        for c, n in zip(letters, t.shape):
+            if c != UNSHARDABLE:
+                sizes.setdefault(c, n)
+    return sizes
+
+
+class _Inference:
+    """Shared bookkeeping of one forward or reverse inference."""
+
+    def __init__(self, spec: Spec, mesh: ProcessMesh, in_types, out_types):
+        self.spec, self.mesh = spec, mesh
+        self.in_types, self.out_types = list(in_types), list(out_types)
+        self.sizes = letter_sizes(spec, in_types, out_types)
+        self.assigned: dict[str, list[int]] = {}
+        self.needs = [[Replicate()] * mesh.ndim for _ in in_types]
+        self.outs = [None if t is None else [Replicate()] * mesh.ndim for t in out_types]
+
+    def shardable(self, letter: str, m: int) -> bool:
+        if not self.spec.shardable(letter):
+            return False
+        if letter in self.spec.even:
+            cut = math.prod(self.mesh.shape[k] for k in self.assigned.get(letter, []) + [m])
+            return self.sizes[letter] % cut == 0
+        return True
+
+    def required(self, option: Option, i: int, in_dists) -> Placement:
+        """What input ``i`` must hold on the current mesh dim under ``option``."""
+        letters = self.spec.inputs[i]
+        if option.kind == "shard":
+            return Shard(letters.index(option.arg)) if option.arg in letters else Replicate()
+        if option.kind == "partial" and self.spec.is_linear_input(i):
+            if self.spec.linear == "sum" or i == self._partial_carrier(option, in_dists):
+                return Partial(option.arg)
+        return Replicate()
+
+    def _partial_carrier(self, option: Option, in_dists) -> int | None:
+        """For an op linear in each input separately, the one input that stays partial."""
+        m = self._m
+        for i, d in enumerate(in_dists):
+            if d is not None and self.spec.is_linear_input(i) and d.placements[m] == Partial(option.arg):
+                return i
+        return next((i for i in range(len(self.in_types)) if self.spec.is_linear_input(i)), None)
+
+    def produced(self, option: Option, o: int) -> Placement:
+        letters = self.spec.outputs[o]
+        if option.kind == "shard":
+            if option.arg in letters:
+                return Shard(letters.index(option.arg))
+            if option.arg in self.spec.input_letters():
+                return Partial(self.spec.reduce[o])
+            return Replicate()
+        if option.kind == "partial":
+            return Partial(option.arg)
+        return Replicate()
+
+    def apply(self, option: Option, m: int, in_dists) -> None:
+        self._m = m
+        if option.kind == "shard":
+            self.assigned.setdefault(option.arg, []).append(m)
+        for i in range(len(self.in_types)):
+            self.needs[i][m] = self.required(option, i, in_dists)
+        for o, out in enumerate(self.outs):
+            if out is not None:
+                out[m] = self.produced(option, o)
+
+    def full_bytes(self, i: int, dist: DistAttr, m: int) -> float:
+        t = self.in_types[i]
+        cut = math.prod(n for k, (n, p) in enumerate(zip(self.mesh.shape, dist.placements))
+                        if k != m and isinstance(p, Shard))
+        return t.numel * t.dtype.itemsize / cut
+
+    def dists(self, rows) -> tuple:
+        return tuple(None if r is None else DistAttr(self.mesh, tuple(r)) for r in rows)
+
+
+def infer_forward(spec: Spec, mesh: ProcessMesh, in_types: Sequence[TensorType],
+                  out_types: Sequence[TensorType | None],
+                  in_dists: Sequence[DistAttr | None], what: str = "op") -> Decision:
+    """Placements for the outputs, and those the inputs need, from the inputs' placements
+    (``None``: no placement yet, follows for free)."""
+    check_spec(spec, in_types, out_types, what)
+    inf = _Inference(spec, mesh, in_types, out_types)
+    choices = []
+    for m in range(mesh.ndim):
+        inf._m = m
+        priced = [(opt, _price(inf, opt, m, in_dists)) for opt in _options(inf, m, in_dists)]
+        best, cost = min(priced, key=lambda oc: oc[1])     # stable: earlier options win ties
+        inf.apply(best, m, in_dists)
+        choices.append(MeshDimChoice(m, best, cost, tuple(p for p in priced if p[0] != best)))
+    return Decision(inf.dists(inf.needs), inf.dists(inf.outs), tuple(choices))
+
+
+def _options(inf: _Inference, m: int, in_dists) -> list[Option]:
+    options: list[Option] = []
+    for i, d in enumerate(in_dists):
+        if d is None:
+            continue
+        p = d.placements[m]
+        if isinstance(p, Shard):
+            letter = inf.spec.inputs[i][p.dim]
+            if inf.shardable(letter, m):
+                options.append(Option("shard", letter))
+        elif isinstance(p, Partial) and inf.spec.is_linear_input(i) and p.op in inf.spec.partial_ops:
+            options.append(Option("partial", p.op))
+    options.append(REPLICATE)
+    return list(dict.fromkeys(options))
+
+
+def _price(inf: _Inference, option: Option, m: int, in_dists) -> float:
+    n = inf.mesh.shape[m]
+    total = 0.0
+    for i, d in enumerate(in_dists):
+        if d is not None:
+            want = inf.required(option, i, in_dists)
+            total += reshard_bytes(d.placements[m], want, inf.full_bytes(i, d, m), n)
+    return total
+
+
+def infer_reverse(spec: Spec, mesh: ProcessMesh, in_types: Sequence[TensorType],
+                  out_types: Sequence[TensorType | None],
+                  out_hints: Sequence[DistAttr | None], what: str = "op"
+                  ) -> tuple[DistAttr, ...]:
+    """Placements for the inputs that make the op produce the wanted output placements
+    (as far as the spec allows; the rest replicated)."""
+    check_spec(spec, in_types, out_types, what)
+    inf = _Inference(spec, mesh, in_types, out_types)
+    for m in range(mesh.ndim):
+        inf._m = m
+        wanted = next((h.placements[m] for h in out_hints if h is not None), Replicate())
+        inf.apply(_reverse_option(inf, out_hints, wanted, m), m, [None] * len(in_types))
+    return inf.dists(inf.needs)
+
+
+def _reverse_option(inf: _Inference, out_hints, wanted: Placement, m: int) -> Option:
+    if isinstance(wanted, Shard):
+        o = next(o for o, h in enumerate(out_hints) if h is not None)
+        letter = inf.spec.outputs[o][wanted.dim]
+        if letter in inf.spec.input_letters() and inf.shardable(letter, m):
+            return Option("shard", letter)
+    if isinstance(wanted, Partial) and inf.spec.linear != "none" and wanted.op in inf.spec.partial_ops:
+        return Option("partial", wanted.op)
+    return REPLICATE
+
+
+__all__ = ["infer_forward", "infer_reverse", "Decision", "MeshDimChoice", "Option", "SpecError",
+           "check_spec", "letter_sizes"]

@@ -1,0 +1,1 @@
+"""(rules to be written)"""
