@@ -1,7 +1,8 @@
-"""Command line: ``python -m autopar demo``."""
+"""Command line: ``python -m autopar demo`` and ``python -m autopar plan``."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -11,10 +12,27 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--batch-size", type=int, default=16)
     demo.add_argument("--dump-dir", default="dumps/demo")
-    args = parser.parse_args(argv)
+    plan = sub.add_parser(
+        "plan", help="plan a training script for its whole mesh in this one process, write "
+                     "the per-pass dumps and explain placements (no launcher needed)")
+    plan.add_argument("script", help="a training script that builds an autopar.Engine; "
+                                     "its own arguments go after '--'")
+    plan.add_argument("--strategy", help="a strategy YAML that replaces the script's own")
+    plan.add_argument("--dump-dir", default="dumps/plan")
+    plan.add_argument("--explain", action="append", default=[], metavar="VALUE",
+                      help="why VALUE has its placement: %%12, loss, grad[fc1.weight], "
+                           "fc1.weight (repeatable)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # plan's own options anywhere; the script's arguments after "--"
+    script_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.command == "demo":
         from .demo import main as run_demo
         run_demo(args.steps, args.batch_size, args.dump_dir)
+    elif args.command == "plan":
+        from .engine.offline import plan_script
+        print(plan_script(args.script, script_args, args.strategy, args.dump_dir,
+                          args.explain))
 
 
 if __name__ == "__main__":

@@ -14,18 +14,23 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils import _pytree as pytree
 
+from ..annotations import param_annotation
 from ..ir import Program, Slot, StateKind
 from ..ir.capture import StepSpec, capture, flatten_batch
+from ..ir.dist import ProcessMesh
 from ..passes.context import PassContext
+from ..passes.explain import explain_value
 from ..passes.lower_optimizer import initial_state
 from ..passes.manager import PassManager
 from ..runtime.executor import Executor
-from ..strategy import Strategy
+from ..strategy import Strategy, UnsupportedStrategyError
 from .data import batch_size_of, batches
 from .logging import ProgressLog
+from .offline import PlanningDone, current_session
 
-# Strategy sections this version executes; any other enabled section is refused up front.
-SUPPORTED_SECTIONS: set[str] = set()
+# Strategy sections this version can plan (completion places every value); any other
+# enabled section is refused up front.
+PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel"}
 
 Metric = Callable[[Any, Any], float]
 
@@ -38,6 +43,7 @@ class Plan:
     program: Program
     executor: Executor
     pass_timings: dict[str, float]
+    mesh: ProcessMesh | None      # None: serial
 
 
 class Engine:
@@ -52,9 +58,13 @@ class Engine:
         self.metrics = _named_metrics(metrics)
         self.strategy = strategy if strategy is not None else Strategy()
         self.lr_scheduler = lr_scheduler
-        self.strategy.check_supported(SUPPORTED_SECTIONS)
-        self._check_launch(os.environ)
+        self._session = current_session()
+        if self._session is not None and self._session.strategy is not None:
+            self.strategy = self._session.strategy
+        _check_plannable(self.strategy)
         self.dump_dir = self.strategy.resolved_dump_dir(os.environ)
+        if self._session is not None and self._session.dump_dir is not None:
+            self.dump_dir = self._session.dump_dir
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         # Serial runs alias the model's own tensors: the model trains in place.
         self.state: dict[str, Any] = {n: p.detach() for n, p in model.named_parameters()}
@@ -64,13 +74,34 @@ class Engine:
         self.history: dict[str, list[float]] = {}
 
     # -- planning -----------------------------------------------------------------------
-    def _check_launch(self, environ: os._Environ | dict) -> None:
-        world = int(environ.get("WORLD_SIZE", "1"))
-        self.strategy.check_world_size(world)
-
     def prepare(self, inputs: Any, labels: Any = None, mode: str = "train") -> Program:
-        """Plan the program for a sample batch without running it (dumps are written)."""
+        """Plan the program for a sample (global) batch without running it: in one plain
+        process, for any mesh size. Dumps are written; ``explain`` answers questions."""
         return self._plan(mode, inputs, labels).program
+
+    def explain(self, what: str, mode: str = "train") -> str:
+        """Why a value of the last planned ``mode`` program has its placement, traced back
+        to the annotations: ``what`` is a dump name (``%12``), a result (``loss``,
+        ``grad[fc1.weight]``) or a parameter/input name (``fc1.weight``, ``batch/0``)."""
+        plans = [plan for (m, *_), plan in self._plans.items() if m == mode]
+        if not plans:
+            raise ValueError(f"explain: nothing planned for mode {mode!r} yet; call "
+                             f"engine.prepare(sample_inputs, sample_labels, mode={mode!r})")
+        return explain_value(plans[-1].program, what)
+
+    def _runnable(self, plan: Plan) -> Plan:
+        """Refuse to execute what this version can only plan, and a launch that does not
+        match the strategy, before any process could hang."""
+        if self._session is not None:
+            self._session.engine, self._session.plan = self, plan
+            raise PlanningDone()
+        if plan.mesh is not None and plan.mesh.size > 1:
+            raise NotImplementedError(
+                f"this program is planned on {plan.mesh} but executing a distributed plan "
+                "needs the partition and reshard passes, which are not built yet; "
+                "engine.prepare(...) plans it and engine.explain(...) shows the placements")
+        self.strategy.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+        return plan
 
     def _plan(self, mode: str, inputs: Any, labels: Any) -> Plan:
         key = (mode, _signature(inputs), _signature(labels))
@@ -78,13 +109,18 @@ class Engine:
             if mode == "train" and self.optimizer is None:
                 raise ValueError("training needs an optimizer: Engine(model, loss, optimizer=...)")
             captured = capture(self.model, self.loss, inputs, labels, mode=mode)
-            ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode)
+            ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode,
+                              param_annotations=self._param_annotations())
             manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
             program = manager.run(captured.program, ctx)
             self._init_optimizer_state(program)
             self._plans[key] = Plan(captured.spec, program, Executor(program, self.state),
-                                    dict(manager.timings))
+                                    dict(manager.timings), ctx.mesh)
         return self._plans[key]
+
+    def _param_annotations(self) -> dict:
+        found = {name: param_annotation(p) for name, p in self.model.named_parameters()}
+        return {name: dist for name, dist in found.items() if dist is not None}
 
     def _init_optimizer_state(self, program: Program) -> None:
         wanted = {op.attrs["name"] for op in program.states(StateKind.OPTIM)}
@@ -104,7 +140,7 @@ class Engine:
 
     # -- one step -----------------------------------------------------------------------
     def train_step(self, inputs: Any, labels: Any = None) -> float:
-        plan = self._plan("train", inputs, labels)
+        plan = self._runnable(self._plan("train", inputs, labels))
         results = plan.executor.run(self._feeds(inputs, labels, "train"),
                                     seed=self.strategy.seed + self.global_step)
         self.global_step += 1
@@ -114,7 +150,7 @@ class Engine:
         return float(results[Slot("loss")])
 
     def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[float | None, Any]:
-        plan = self._plan(mode, inputs, labels)
+        plan = self._runnable(self._plan(mode, inputs, labels))
         results = plan.executor.run(self._feeds(inputs, labels, mode))
         loss = results.get(Slot("loss"))
         outputs = [v for s, v in results.items() if s.kind == "output"]
@@ -210,6 +246,14 @@ class Engine:
                 own = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
                 if own:
                     self.optimizer.state[p].update(own)
+
+
+def _check_plannable(strategy: Strategy) -> None:
+    strategy.check_supported(PLANNED_SECTIONS)
+    tp = strategy.tensor_parallel
+    if tp is not None and tp.sequence_parallel:
+        raise UnsupportedStrategyError(
+            {"tensor_parallel": "sequence_parallel: true needs the reshard pass"})
 
 
 def _steps_in(data, batch_size: int, limit: int | None) -> int | None:

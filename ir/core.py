@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils import _pytree as pytree
 
 
 class OpKind(str, enum.Enum):
@@ -81,15 +80,17 @@ def dtype_abbrev(dtype: torch.dtype) -> str:
 
 
 class Value:
-    """An SSA value. ``dist`` is the distributed attribute slot completion fills."""
+    """An SSA value. ``dist`` is the distributed attribute slot completion fills; ``why``
+    records how it was chosen (an annotation, a rule, a consumer), for explain."""
 
-    __slots__ = ("type", "producer", "index", "dist")
+    __slots__ = ("type", "producer", "index", "dist", "why")
 
     def __init__(self, type: ValueType, producer: "Op | None" = None, index: int = 0):
         self.type = type
         self.producer = producer
         self.index = index
         self.dist: Any = None
+        self.why: Any = None
 
     @property
     def is_tensor(self) -> bool:
@@ -131,10 +132,16 @@ class Op:
     forward_op: "Op | None" = None     # for a backward op: the forward op it differentiates
     attrs: dict[str, Any] = field(default_factory=dict)
     uid: int = field(default_factory=lambda: next(_op_ids))
+    # Set by completion: the placement each tensor input must have (``op.inputs`` order,
+    # tensors only). Where it differs from the input's own, reshard inserts communication.
+    needs: tuple = ()
 
     @property
     def inputs(self) -> list[Value]:
-        return [a for a in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(a, Value)]
+        found: list[Value] = []
+        _collect_values(self.args, found)
+        _collect_values(self.kwargs, found)
+        return found
 
     @property
     def result(self) -> Value:
@@ -143,9 +150,31 @@ class Op:
         return self.outputs[0]
 
     def map_inputs(self, fn: Callable[[Value], Value]) -> None:
-        swap = lambda a: fn(a) if isinstance(a, Value) else a  # noqa: E731
-        self.args = pytree.tree_map(swap, self.args)
-        self.kwargs = pytree.tree_map(swap, self.kwargs)
+        self.args = _map_values(self.args, fn)
+        self.kwargs = _map_values(self.kwargs, fn)
+
+
+# Op arguments are nests of tuples, lists and dicts (what an fx node's args are). Walked by
+# hand: torch's pytree is general and, on programs of thousands of ops, the slow part.
+def _collect_values(a: Any, found: list[Value]) -> None:
+    if isinstance(a, Value):
+        found.append(a)
+    elif isinstance(a, (tuple, list)):
+        for x in a:
+            _collect_values(x, found)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _collect_values(x, found)
+
+
+def _map_values(a: Any, fn: Callable[[Value], Value]) -> Any:
+    if isinstance(a, Value):
+        return fn(a)
+    if isinstance(a, (tuple, list)):
+        return type(a)(_map_values(x, fn) for x in a)
+    if isinstance(a, dict):
+        return {k: _map_values(x, fn) for k, x in a.items()}
+    return a
 
 
 class Program:
@@ -171,6 +200,12 @@ class Program:
         op = Op(OpKind.CALL, target, args, kwargs or {}, [Value(t) for t in out_types],
                 role, module, forward_op, attrs)
         return self.add(op)
+
+    def insert_after(self, anchor: Op, op: Op) -> Op:
+        for i, v in enumerate(op.outputs):
+            v.producer, v.index = op, i
+        self.ops.insert(self.ops.index(anchor) + 1, op)
+        return op
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -220,8 +255,9 @@ class Program:
                      [Value(v.type) for v in op.outputs], op.role, op.module,
                      op.forward_op, dict(op.attrs))
             new.map_inputs(lambda v: remap[v])
+            new.needs = op.needs
             for old_v, new_v in zip(op.outputs, new.outputs):
-                new_v.dist = old_v.dist
+                new_v.dist, new_v.why = old_v.dist, old_v.why
                 remap[old_v] = new_v
             copied.add(new)
         forward_map = {old.uid: new for old, new in zip(self.ops, copied.ops)}

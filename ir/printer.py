@@ -53,7 +53,7 @@ def _format_result(v: Value, name: _Namer) -> str:
 def _format_op(op: Op, name: _Namer) -> str:
     if op.kind is OpKind.OUTPUT:
         pairs = ", ".join(f"{s}={name(v)}" for s, v in zip(op.attrs["slots"], op.args))
-        return f"output {pairs}"
+        return f"output {pairs}{_reshards(op, name)}"
     lhs = ", ".join(_format_result(v, name) for v in op.outputs)
     if op.kind is OpKind.INPUT:
         return f"{lhs} = input {op.attrs['name']!r}"
@@ -67,9 +67,30 @@ def _format_op(op: Op, name: _Namer) -> str:
     note = [op.module or "-", op.role.value]
     if op.forward_op is not None and op.forward_op.outputs:
         note.append(f"of {name(op.forward_op.outputs[0])}")
-    return f"{text}  # {' '.join(note)}"
+    return f"{text}  # {' '.join(note)}{_reshards(op, name, '; ')}"
+
+
+def _reshards(op: Op, name: _Namer, sep: str = "  # ") -> str:
+    """Inputs whose placement differs from what the op needs: where reshard will act."""
+    moves = [f"{name(v)} {_bare(v.dist)} -> {_bare(need)}"
+             for v, need in zip((v for v in op.inputs if v.is_tensor), op.needs)
+             if need is not None and v.dist is not None and need != v.dist]
+    return f"{sep}reshard {', '.join(moves)}" if moves else ""
+
+
+def _bare(dist) -> str:
+    return "{" + ",".join(str(p) for p in dist.placements) + "}"
 
 
 def format_program(program: Program) -> str:
     name = _Namer()
     return "\n".join(_format_op(op, name) for op in program.ops) + "\n"
+
+
+def value_names(program: Program) -> dict[Value, str]:
+    """The names ``format_program`` gives each value."""
+    name = _Namer()
+    for op in program.ops:
+        for v in op.outputs:
+            name.define(v)
+    return name.names

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ir.dist import DistAttr, ProcessMesh
 from ..strategy import Strategy
 
 
@@ -17,6 +18,11 @@ class PassContext:
     mode: str = "train"
     rank: int = 0
     world_size: int = 1
+    # The mesh the program runs on: the strategy's, else the one the annotations use
+    # (the annotate pass settles it). None: serial, nothing to place.
+    mesh: ProcessMesh | None = None
+    # shard_tensor placements given to parameters before planning, by parameter FQN.
+    param_annotations: dict[str, DistAttr] = field(default_factory=dict)
 
     def name_of(self, param: torch.Tensor) -> str:
         try:

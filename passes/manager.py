@@ -8,9 +8,13 @@ from pathlib import Path
 from typing import Callable
 
 from ..ir import Program, format_program, verify
+from .annotate import annotate
 from .clip_grad import clip_grad
+from .completion import completion
 from .context import PassContext
 from .dead_code import dead_code
+from .decompose_loss import decompose_loss
+from .explain import format_explanations
 from .fold_noops import fold_noops
 from .lower_optimizer import lower_optimizer
 
@@ -21,14 +25,18 @@ PassFn = Callable[[Program, PassContext], Program]
 class Pass:
     name: str
     run: PassFn
+    explains: bool = False   # dump why each value has its placement, next to the program
 
 
-# The pipeline, in order. Later issues add completion, partition, reshard, pipeline here.
+# The pipeline, in order. Later issues add partition, reshard, pipeline here.
 PIPELINE: tuple[Pass, ...] = (
+    Pass("decompose_loss", decompose_loss),
     Pass("fold_noops", fold_noops),
     Pass("dead_code", dead_code),
     Pass("clip_grad", clip_grad),
     Pass("lower_optimizer", lower_optimizer),
+    Pass("annotate", annotate),
+    Pass("completion", completion, explains=True),
 )
 
 
@@ -58,7 +66,7 @@ class PassManager:
                              f"mode {ctx.mode})")
                 raise
             self.timings[p.name] = time.perf_counter() - start
-            self._check(program, p.name, ctx, number)
+            self._check(program, p.name, ctx, number, p.explains)
         self._dump_timings(ctx)
         return program
 
@@ -70,7 +78,8 @@ class PassManager:
         path = Path(self.dump_dir) / f"rank{ctx.rank}" / f"{prefix}timings.txt"
         path.write_text("\n".join(lines) + "\n")
 
-    def _check(self, program: Program, name: str, ctx: PassContext, number: int) -> None:
+    def _check(self, program: Program, name: str, ctx: PassContext, number: int,
+               explains: bool = False) -> None:
         if self.verify:
             try:
                 verify(program)
@@ -83,3 +92,7 @@ class PassManager:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(format_program(program))
             self.dumped.append(path)
+            if explains and ctx.mesh is not None:
+                why = path.with_name(f"{path.stem}.explain.txt")
+                why.write_text(format_explanations(program))
+                self.dumped.append(why)

@@ -39,3 +39,9 @@ def resolve(target: str) -> Callable:
     except AttributeError as exc:
         raise KeyError(f"no kernel for op {target!r}: not an ATen overload and not in "
                        "autopar.runtime.kernels.KERNELS") from exc
+
+
+@kernel("autopar.annotate")
+def _annotate(x: torch.Tensor) -> torch.Tensor:
+    """A placement annotation; on a rank's local program it is the identity."""
+    return x

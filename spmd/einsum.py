@@ -86,14 +86,22 @@ class _Inference:
         self.assigned: dict[str, list[int]] = {}
         self.needs = [[Replicate()] * mesh.ndim for _ in in_types]
         self.outs = [None if t is None else [Replicate()] * mesh.ndim for t in out_types]
+        self._full: dict[tuple[int, int], float] = {}
 
     def shardable(self, letter: str, m: int) -> bool:
         if not self.spec.shardable(letter):
             return False
         if letter in self.spec.even:
             cut = math.prod(self.mesh.shape[k] for k in self.assigned.get(letter, []) + [m])
-            return self.sizes[letter] % cut == 0
+            # Every size the letter has must divide, not just the first: a reshape letter can
+            # name dims of different sizes (48 split into (6, 8) keeps its letter on the 6).
+            return all(n % cut == 0 for n in self.all_sizes(letter))
         return True
+
+    def all_sizes(self, letter: str) -> list[int]:
+        return [n for letters, t in zip((*self.spec.inputs, *self.spec.outputs),
+                                        (*self.in_types, *self.out_types))
+                if letters is not None for c, n in zip(letters, t.shape) if c == letter]
 
     def required(self, option: Option, i: int, in_dists) -> Placement:
         """What input ``i`` must hold on the current mesh dim under ``option``."""
@@ -136,10 +144,16 @@ class _Inference:
                 out[m] = self.produced(option, o)
 
     def full_bytes(self, i: int, dist: DistAttr, m: int) -> float:
-        t = self.in_types[i]
-        cut = math.prod(n for k, (n, p) in enumerate(zip(self.mesh.shape, dist.placements))
-                        if k != m and isinstance(p, Shard))
-        return t.numel * t.dtype.itemsize / cut
+        """Bytes of input ``i`` as mesh dim ``m`` sees it: cut by the other mesh dims."""
+        key = (i, m)
+        if key not in self._full:
+            t = self.in_types[i]
+            size = t.numel * t.dtype.itemsize
+            for k, (n, p) in enumerate(zip(self.mesh.shape, dist.placements)):
+                if k != m and isinstance(p, Shard):
+                    size /= n
+            self._full[key] = size
+        return self._full[key]
 
     def dists(self, rows) -> tuple:
         return tuple(None if r is None else DistAttr(self.mesh, tuple(r)) for r in rows)
@@ -163,6 +177,7 @@ def infer_forward(spec: Spec, mesh: ProcessMesh, in_types: Sequence[TensorType],
 
 
 def _options(inf: _Inference, m: int, in_dists) -> list[Option]:
+    """Candidates in tie-break order: keep a shard, then a partial, then replicate."""
     options: list[Option] = []
     for i, d in enumerate(in_dists):
         if d is None:
@@ -175,16 +190,29 @@ def _options(inf: _Inference, m: int, in_dists) -> list[Option]:
         elif isinstance(p, Partial) and inf.spec.is_linear_input(i) and p.op in inf.spec.partial_ops:
             options.append(Option("partial", p.op))
     options.append(REPLICATE)
-    return list(dict.fromkeys(options))
+    rank = {"shard": 0, "partial": 1, "replicate": 2}
+    return sorted(dict.fromkeys(options), key=lambda o: rank[o.kind])
 
 
 def _price(inf: _Inference, option: Option, m: int, in_dists) -> float:
+    """Bytes the inputs move now, plus for each output this option leaves Partial the
+    reduce-scatter it will need at least later: passing a partial on is not free, it
+    defers a reduction (this is what keeps a reducible gradient from flowing past the
+    point where a reduce-scatter would have settled it)."""
     n = inf.mesh.shape[m]
     total = 0.0
     for i, d in enumerate(in_dists):
         if d is not None:
             want = inf.required(option, i, in_dists)
             total += reshard_bytes(d.placements[m], want, inf.full_bytes(i, d, m), n)
+    for o, out in enumerate(inf.outs):
+        if out is not None and isinstance(inf.produced(option, o), Partial):
+            t = inf.out_types[o]
+            size = t.numel * t.dtype.itemsize
+            for k in range(m):
+                if isinstance(out[k], Shard):
+                    size /= inf.mesh.shape[k]
+            total += reshard_bytes(Partial(), Shard(0), size, n)
     return total
 
 

@@ -7,6 +7,7 @@ entry are recognised by their ``torch.Tag.pointwise`` tag. A target with no rule
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -81,6 +82,7 @@ def lookup(op: Op) -> Rule | None:
     return rule
 
 
+@functools.lru_cache(maxsize=None)
 def _is_pointwise(target: str) -> bool:
     namespace, _, rest = target.partition(".")
     if namespace != "aten":

@@ -14,7 +14,10 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, Field, model_validator
+
+from ..ir.dist import ProcessMesh
 
 from .sections import (
     STRICT,
@@ -170,6 +173,13 @@ class Strategy(BaseModel):
     def world_size(self) -> int:
         """Processes the strategy runs on: the mesh size, 1 without a mesh."""
         return self.mesh.size if self.mesh is not None else 1
+
+    def process_mesh(self) -> ProcessMesh | None:
+        """The mesh as a ProcessMesh over ranks 0..n-1 in row-major order; None when serial."""
+        if self.mesh is None or not self.mesh.is_enabled:
+            return None
+        ids = np.arange(self.mesh.size).reshape(self.mesh.shape)
+        return ProcessMesh(ids, self.mesh.dim_names)
 
     def degree(self, section: str) -> int:
         """Ranks a parallel section spans: its axis size when on, 1 when off or absent."""

@@ -65,10 +65,11 @@ def test_prepare_plans_without_running_and_dumps_every_pass(tmp_path, monkeypatc
     before = copy.deepcopy(model.state_dict())
     program = engine.prepare(torch.randn(4, 16), torch.randn(4, 8))
     files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
-    assert files == ["00_capture.txt", "01_fold_noops.txt", "02_dead_code.txt",
-                     "03_clip_grad.txt", "04_lower_optimizer.txt", "timings.txt"]
+    assert files == ["00_capture.txt", "01_decompose_loss.txt", "02_fold_noops.txt",
+                     "03_dead_code.txt", "04_clip_grad.txt", "05_lower_optimizer.txt",
+                     "06_annotate.txt", "07_completion.txt", "timings.txt"]
     assert "lower_optimizer" in (tmp_path / "rank0" / "timings.txt").read_text()
-    final = (tmp_path / "rank0" / "04_lower_optimizer.txt").read_text()
+    final = (tmp_path / "rank0" / "05_lower_optimizer.txt").read_text()
     assert "optim.sgd" in final and "aten.linalg_vector_norm" in final
     assert "update[head.weight]=" in final
     assert any(op.target == "optim.sgd" for op in program.ops)
@@ -83,9 +84,17 @@ def test_programs_are_cached_per_batch_signature():
 
 
 def test_unsupported_strategy_section_is_refused_up_front():
-    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"})
-    with pytest.raises(UnsupportedStrategyError, match="data_parallel"):
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, sharding={"axis": "dp", "stage": 1})
+    with pytest.raises(UnsupportedStrategyError, match="sharding"):
         _mlp_engine(strategy=strategy)
+
+
+def test_a_distributed_plan_is_refused_at_run_time_not_silently_run_serially():
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"})
+    _, engine = _mlp_engine(strategy=strategy)
+    engine.prepare(torch.randn(4, 16), torch.randn(4, 8))    # planning works offline
+    with pytest.raises(NotImplementedError, match="partition and reshard"):
+        engine.fit(regression_data(8, 16, 8), batch_size=4, verbose=0)
 
 
 def test_unsupported_optimizer_names_itself():
@@ -104,8 +113,9 @@ def test_fit_without_optimizer_is_a_clear_error():
 
 def test_world_size_mismatch_is_an_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    _, engine = _mlp_engine()
     with pytest.raises(ValueError, match="world size"):
-        _mlp_engine()
+        engine.fit(regression_data(8, 16, 8), batch_size=4, verbose=0)
 
 
 def test_state_dict_and_optimizer_state_dict_after_fit():

@@ -1,1 +1,43 @@
-"""(rules to be written)"""
+"""Negative log-likelihood: each row reads one class entry, so the class letter stays whole
+and the batch letter shards. How the batch letter combines follows ``reduction``:
+none keeps it in the output, sum makes both the loss and total_weight Partial(sum), mean
+(a weighted mean; a pass rewrites it into sum + div before completion) needs it whole.
+Inputs may be 1-D (one sample, no batch letter)."""
+from __future__ import annotations
+
+from ...ir.core import Op
+from ..registry import register
+from ..spec import Spec
+from .pointwise import input_letters, schema_args
+
+NONE, MEAN, SUM = 0, 1, 2
+
+
+def _batch_and_class(op: Op) -> tuple[str, str]:
+    batched = len(schema_args(op)["self"].type.shape) == 2
+    return ("b" if batched else ""), "c"
+
+
+@register("aten.nll_loss_forward.default")
+def nll_loss_forward(op: Op) -> Spec:
+    b, c = _batch_and_class(op)
+    reduction = schema_args(op)["reduction"]
+    ins = input_letters(op, {"self": b + c, "target": b, "weight": c})
+    out = b if reduction == NONE else ""
+    whole = {c} | ({b} - {""} if reduction == MEAN else set())
+    # total_weight is a 0-d sum of the rows' weights (0 with reduction none): Partial(sum)
+    # under a sharded batch is exact for it in every mode that lets the batch shard. The op
+    # is linear in self, but not total_weight, so Partial inputs are reduced first.
+    return Spec(ins, (out, ""), replicated=whole, reduce="sum")
+
+
+@register("aten.nll_loss_backward.default")
+def nll_loss_backward(op: Op) -> Spec:
+    # grad_input[i, t_i] = -w[t_i] * g(_i) [/ total_weight]: rows are independent given the
+    # whole total_weight, whatever the reduction; linear in grad_output.
+    b, c = _batch_and_class(op)
+    reduction = schema_args(op)["reduction"]
+    grad = b if reduction == NONE else ""
+    ins = input_letters(op, {"grad_output": grad, "self": b + c, "target": b, "weight": c,
+                             "total_weight": ""})
+    return Spec(ins, (b + c,), replicated={c}, linear="each", linear_inputs={0})

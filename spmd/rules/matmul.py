@@ -1,16 +1,82 @@
 """Matrix products: a sharded contracted letter makes the result Partial(sum); each product
-is linear in each operand separately, so one Partial operand passes through."""
+is linear in each operand separately, so one Partial operand passes through.
+
+addmm/baddbmm add a bias: ``beta*bias + alpha*(a@b)``. Wherever the product comes out
+Partial (a sharded contraction or a Partial operand) the bias must be Partial too, or every
+rank would add it once: one rank keeps it, the others add zeros (R -> P is free). The einsum
+engine cannot say "this input is Partial because the output is", so ``AffineProduct`` runs
+it on the product and then gives the bias the output's Partial on those mesh dims.
+"""
 from __future__ import annotations
 
-from ..registry import register
+from typing import Sequence
+
+from ...ir.core import Op
+from ...ir.dist import DistAttr, Partial, ProcessMesh
+from ..einsum import Decision, infer_forward, infer_reverse
+from ..registry import describe, output_types, register, tensor_inputs
 from ..spec import Spec
+from .pointwise import broadcast_letters, input_letters
 
 
 @register("aten.mm.default")
-def mm(op) -> Spec:
+def mm(op: Op) -> Spec:
     return Spec.parse("mk,kn->mn", linear="each")
 
 
 @register("aten.bmm.default")
-def bmm(op) -> Spec:
+def bmm(op: Op) -> Spec:
     return Spec.parse("bmk,bkn->bmn", linear="each")
+
+
+@register("aten.mv.default")
+def mv(op: Op) -> Spec:
+    return Spec.parse("mk,k->m", linear="each")
+
+
+@register("aten.dot.default")
+def dot(op: Op) -> Spec:
+    return Spec.parse("k,k->", linear="each")
+
+
+class AffineProduct:
+    """``bias + a@b`` for a product spec like ``"mk,kn->mn"``; the bias broadcasts."""
+
+    def __init__(self, product: str):
+        self.product = Spec.parse(product)
+
+    def spec(self, op: Op) -> Spec:
+        a, b = self.product.inputs
+        out = self.product.outputs[0]
+        bias_shape = tensor_inputs(op)[0].type.shape
+        bias = broadcast_letters(bias_shape, out, op.outputs[0].type.shape)
+        ins = input_letters(op, {"self": bias, "mat1": a, "mat2": b, "batch1": a, "batch2": b})
+        return Spec(ins, (out,), linear="each", linear_inputs={1, 2})
+
+    def _types(self, op: Op):
+        return [v.type for v in tensor_inputs(op)], output_types(op)
+
+    def _bias_partial(self, decision: Decision, mesh: ProcessMesh) -> Decision:
+        out, bias = decision.outputs[0], decision.needs[0]
+        placements = tuple(o if isinstance(o, Partial) else p
+                           for o, p in zip(out.placements, bias.placements))
+        return Decision((DistAttr(mesh, placements), *decision.needs[1:]), decision.outputs,
+                        decision.choices)
+
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh
+                ) -> Decision:
+        ins, outs = self._types(op)
+        decision = infer_forward(self.spec(op), mesh, ins, outs, in_dists, describe(op))
+        return self._bias_partial(decision, mesh)
+
+    def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
+                ) -> tuple[DistAttr, ...]:
+        ins, outs = self._types(op)
+        needs = infer_reverse(self.spec(op), mesh, ins, outs, out_hints, describe(op))
+        # Replaying the operands' needs forward tells which mesh dims come out Partial.
+        decision = infer_forward(self.spec(op), mesh, ins, outs, needs, describe(op))
+        return self._bias_partial(decision, mesh).needs
+
+
+register("aten.addmm.default")(AffineProduct("mk,kn->mn"))
+register("aten.baddbmm.default")(AffineProduct("bmk,bkn->bmn"))

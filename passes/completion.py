@@ -1,0 +1,172 @@
+"""Completion: give every tensor value of the program a placement.
+
+Pinned values (annotations, the plan, the batch) never change. Each op is decided once, by
+its SPMD rule, when all its tensor inputs are placed (forward sweep); the rule also says
+which placement each input must have, so where a value's consumers disagree with it reshard
+will move it. An op whose inputs are only partly placed asks its unplaced inputs for the
+placement it would want; the reverse sweep carries such requests up through ops whose inputs
+are all unplaced (by the rules' reverse inference) to the parameters, states and inputs that
+start them, which take the first request. Sweeps repeat to a fixpoint; a start value nobody
+asked for ends replicated. Every choice is recorded on the value for explain.
+"""
+from __future__ import annotations
+
+import warnings
+
+from ..ir import Op, OpKind, Program, Value
+from ..ir.dist import DistAttr, ProcessMesh
+from ..spmd import lookup
+from ..spmd.einsum import Decision, MeshDimChoice, Option
+from ..spmd.registry import describe, tensor_inputs
+from .context import PassContext
+from .explain import Reason
+
+
+class MissingRuleError(NotImplementedError):
+    """An op has no SPMD rule and ``debug.strict_rules`` is on."""
+
+
+class MissingRuleWarning(UserWarning):
+    """An op has no SPMD rule: it runs replicated."""
+
+
+def completion(program: Program, ctx: PassContext) -> Program:
+    if ctx.mesh is None:
+        return program
+    _Completion(program, ctx.mesh, ctx.strategy.debug.strict_rules).run()
+    return program
+
+
+class _Completion:
+    def __init__(self, program: Program, mesh: ProcessMesh, strict: bool):
+        self.program, self.mesh, self.strict = program, mesh, strict
+        self.requests: dict[Value, tuple[DistAttr, Op]] = {}
+        self.pending = [op for op in program.ops if op.kind is OpKind.CALL]
+        self.position = {op: i for i, op in enumerate(program.ops)}
+        self.warned: set[str] = set()
+
+    def run(self) -> None:
+        while self.pending:
+            before = len(self.pending)
+            self._forward_sweep()
+            self._reverse_sweep()
+            if len(self.pending) == before and not self._place_starts():
+                stuck = ", ".join(describe(op) for op in self.pending[:5])
+                raise RuntimeError(f"completion made no progress on {len(self.pending)} ops "
+                                   f"on {self.mesh}: {stuck}")
+        self._place_starts(default=True)
+        self._place_outputs()
+
+    # -- sweeps -----------------------------------------------------------------------
+    def _forward_sweep(self) -> None:
+        waiting = []
+        for op in self.pending:
+            ins = tensor_inputs(op)
+            dists = [v.dist for v in ins]
+            if ins and all(d is None for d in dists):
+                waiting.append(op)
+                continue
+            decision = self._decide(op, dists)
+            if any(d is None for d in dists):
+                for v, need in zip(ins, decision.needs):
+                    if v.dist is None:
+                        self._request(v, need, op)
+                waiting.append(op)
+                continue
+            self._commit(op, ins, decision)
+        self.pending = waiting
+
+    def _reverse_sweep(self) -> None:
+        pending = set(self.pending)
+        for op in reversed(self.program.ops):
+            if op.kind in (OpKind.INPUT, OpKind.STATE):
+                self._place_start(op.outputs[0])
+            elif op in pending:
+                hints = [self.requests.get(v, (None, None))[0] for v in op.outputs]
+                if any(h is not None for h in hints):
+                    rule = lookup(op)
+                    wanted = (rule.reverse(op, hints, self.mesh) if rule is not None
+                              else [DistAttr.replicated(self.mesh)] * len(tensor_inputs(op)))
+                    for v, need in zip(tensor_inputs(op), wanted):
+                        if v.dist is None:
+                            self._request(v, need, op)
+
+    def _request(self, v: Value, need: DistAttr, op: Op) -> None:
+        """The earliest consumer in program order wins: forward uses before backward ones."""
+        current = self.requests.get(v)
+        if current is None or self.position[op] < self.position[current[1]]:
+            self.requests[v] = (need, op)
+
+    # -- decisions ---------------------------------------------------------------------
+    def _decide(self, op: Op, dists: list[DistAttr | None]) -> Decision:
+        rule = lookup(op)
+        if rule is not None:
+            return rule.forward(op, dists, self.mesh)
+        self._missing_rule(op)
+        replicated = DistAttr.replicated(self.mesh)
+        fallback = tuple(MeshDimChoice(m, Option("no rule", "replicated"), 0.0, ())
+                         for m in range(self.mesh.ndim))
+        return Decision(tuple(replicated for _ in dists),
+                        tuple(replicated if v.is_tensor else None for v in op.outputs), fallback)
+
+    def _missing_rule(self, op: Op) -> None:
+        message = (f"no SPMD rule for {describe(op)} on {self.mesh}: it runs replicated "
+                   f"(its inputs are gathered). Add a rule in autopar/spmd/rules/, or set "
+                   f"debug.strict_rules: false to accept this")
+        if self.strict:
+            raise MissingRuleError(message.replace("debug.strict_rules: false to accept this",
+                                                   "debug.strict_rules: false to run it replicated"))
+        if op.target not in self.warned:
+            self.warned.add(op.target)
+            warnings.warn(message.replace(", or set debug.strict_rules: false to accept this",
+                                          "; debug.strict_rules: true makes this an error"),
+                          MissingRuleWarning, stacklevel=2)
+
+    def _commit(self, op: Op, ins: list[Value], decision: Decision) -> None:
+        op.needs = decision.needs
+        has_rule = lookup(op) is not None
+        for v, dist in zip(op.outputs, decision.outputs):
+            if v.is_tensor:
+                v.dist = dist
+                v.why = Reason("rule" if has_rule else "no_rule",
+                               f"{op.target.removesuffix('.default')} "
+                               f"{'rule' if has_rule else 'has no rule: replicated'}",
+                               op, tuple(ins), decision.choices)
+
+    # -- values that start the program ------------------------------------------------
+    def _place_start(self, v: Value) -> bool:
+        if not v.is_tensor or v.dist is not None or v not in self.requests:
+            return False
+        dist, op = self.requests[v]
+        v.dist = dist.check(v.type.shape)
+        v.why = Reason("consumer", f"as its first consumer {op.target.removesuffix('.default')}"
+                                   f" ({op.module or '-'} {op.role.value}) wants it", op)
+        return True
+
+    def _place_starts(self, default: bool = False) -> bool:
+        """Replicate every unplaced parameter, state or input nobody asked for; True if any."""
+        placed = False
+        for op in self.program.ops:
+            v = op.outputs[0] if op.kind in (OpKind.INPUT, OpKind.STATE) else None
+            if v is not None and v.is_tensor and v.dist is None:
+                v.dist = DistAttr.replicated(self.mesh)
+                v.why = Reason("default", "no annotation and no consumer placed it: replicated")
+                placed = True
+        return placed or default
+
+    def _place_outputs(self) -> None:
+        """The loss and model outputs are wanted whole on every rank; updated state goes back
+        where the state lives; gradients stay as computed."""
+        out = self.program.output_op
+        states = {op.attrs["name"]: op.result for op in self.program.ops_of(OpKind.STATE)}
+        needs = []
+        for slot, v in self.program.results():
+            if not v.is_tensor:
+                continue
+            if slot.kind == "update":
+                needs.append(states[slot.name].dist)
+            elif slot.kind == "grad":
+                needs.append(v.dist)
+            else:
+                needs.append(DistAttr.replicated(self.mesh))
+        out.needs = tuple(needs)

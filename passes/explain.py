@@ -1,0 +1,164 @@
+"""Why a value has its placement: the record completion leaves on every value, and the text
+forms of it (one line per value for the dump; a chain back to the annotations for one).
+
+Reasons name values by the printer's names, so an explanation reads next to the dump.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import Op, OpKind, Program, Role, Value
+from ..ir.printer import value_names
+from ..spmd.cost import collective, reshard_bytes
+from ..spmd.einsum import MeshDimChoice
+
+
+@dataclass(frozen=True)
+class Reason:
+    kind: str            # annotation | plan | data_parallel | rule | consumer | default | no_rule
+    text: str
+    op: Op | None = None                             # the op whose rule or need decided
+    sources: tuple[Value, ...] = ()                  # values this choice was made from
+    choices: tuple[MeshDimChoice, ...] = field(default=())
+
+    def describe(self, names: dict[Value, str], mesh_dims: tuple[str, ...]) -> str:
+        text = self.text
+        if self.sources:
+            text += " from " + ", ".join(f"{names.get(v, '?')} {_placements(v)}"
+                                         for v in self.sources)
+        contested = [c for c in self.choices if c.alternatives]
+        if contested:
+            text += "; " + "; ".join(_choice(c, mesh_dims) for c in contested)
+        return text
+
+
+def _placements(v: Value) -> str:
+    return "{?}" if v.dist is None else "{" + ",".join(str(p) for p in v.dist.placements) + "}"
+
+
+def _choice(c: MeshDimChoice, mesh_dims: tuple[str, ...]) -> str:
+    others = ", ".join(f"{opt} {_bytes(cost)}" for opt, cost in c.alternatives)
+    return f"on {mesh_dims[c.mesh_dim]} chose {c.chosen} ({_bytes(c.cost)}) over {others}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _mesh_dims(program: Program) -> tuple[str, ...]:
+    for op in program.ops:
+        for v in op.outputs:
+            if v.dist is not None:
+                return v.dist.mesh.dim_names
+    return ()
+
+
+def format_explanations(program: Program) -> str:
+    """One line per placed value: ``%12 {S(0),R}: <reason>``."""
+    names = value_names(program)
+    dims = _mesh_dims(program)
+    lines = []
+    for op in program.ops:
+        for v in op.outputs:
+            if v.why is not None:
+                lines.append(f"{names[v]} {_placements(v)}: {v.why.describe(names, dims)}")
+    return "\n".join(lines) + "\n"
+
+
+def explain_value(program: Program, what: str, depth: int = 6) -> str:
+    """The chain of reasons behind one value, back to annotations. ``what`` is a printed
+    name (``%12``), a result slot (``grad[fc1.weight]``, ``loss``) or a state/input name."""
+    names = value_names(program)
+    value = _find(program, names, what)
+    dims = _mesh_dims(program)
+    lines: list[str] = []
+    seen: set[Value] = set()
+
+    def visit(v: Value, level: int) -> None:
+        if v in seen or level > depth:
+            return
+        seen.add(v)
+        why = v.why.describe(names, dims) if v.why is not None else "not placed"
+        lines.append(f"{'  ' * level}{names[v]} {_placements(v)} = {_where(v)}: {why}")
+        for source in (v.why.sources if v.why is not None else ()):
+            visit(source, level + 1)
+
+    visit(value, 0)
+    return "\n".join(lines) + "\n"
+
+
+def _where(v: Value) -> str:
+    op = v.producer
+    if op.kind in (OpKind.INPUT, OpKind.STATE):
+        return f"{op.kind.value} {op.attrs['name']!r}"
+    return f"{op.target.removesuffix('.default')} ({op.module or '-'} {op.role.value})"
+
+
+def _find(program: Program, names: dict[Value, str], what: str) -> Value:
+    by_name = {n: v for v, n in names.items()}
+    if what in by_name:
+        return by_name[what]
+    for slot, v in program.results():
+        if str(slot) == what:
+            return v
+    states = {}
+    for op in program.ops:
+        if op.kind in (OpKind.INPUT, OpKind.STATE) and op.attrs.get("name") == what:
+            return op.outputs[0]
+        if op.kind is OpKind.STATE:
+            states[op.outputs[0]] = op.attrs["name"]
+        # once the optimizer consumes a gradient it is no result: find it as the update's input
+        if op.role is Role.OPTIMIZER and op.kind is OpKind.CALL and op.args \
+                and what == f"grad[{states.get(op.args[0])}]":
+            return op.args[1]
+    raise KeyError(f"explain: no value {what!r}; give a printed name like '%12', a result "
+                   f"like 'loss' or 'grad[<param>]', or a parameter/input name")
+
+
+def planned_moves(program: Program) -> list[tuple[Op, Value, str, str, float]]:
+    """Every place reshard will act: (first consumer, value, mesh dim name, collective,
+    bytes a rank sends), from each op's needs against its inputs' placements. A value
+    wanted in one placement by several consumers moves once."""
+    moves, seen = [], set()
+    for op in program.ops:
+        for v, need in zip((v for v in op.inputs if v.is_tensor), op.needs):
+            if need is None or v.dist is None or need == v.dist or (v, need) in seen:
+                continue
+            seen.add((v, need))
+            mesh = v.dist.mesh
+            for m, (src, dst) in enumerate(zip(v.dist.placements, need.placements)):
+                if src != dst:
+                    size = v.type.numel * v.type.dtype.itemsize
+                    moves.append((op, v, mesh.dim_names[m], collective(src, dst),
+                                  reshard_bytes(src, dst, size, mesh.shape[m])))
+    return moves
+
+
+def summarize(program: Program, mesh) -> str:
+    """A plan at a glance: the mesh, how values are placed, and the communication the
+    placements imply, grouped by collective, mesh dim and role."""
+    values = [v for op in program.ops for v in op.outputs if v.is_tensor]
+    kinds = {"sharded": 0, "partial": 0, "replicated": 0}
+    for v in values:
+        if v.dist is None or v.dist.is_replicated:
+            kinds["replicated"] += 1
+        elif any(p.is_partial() for p in v.dist.placements):
+            kinds["partial"] += 1
+        else:
+            kinds["sharded"] += 1
+    lines = [f"mesh: {mesh if mesh is not None else 'none (serial)'}",
+             f"ops: {len(program.ops)}; values: " + ", ".join(f"{n} {k}" for k, n in kinds.items())]
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for op, _, dim, kind, sent in planned_moves(program):
+        groups.setdefault((kind, dim, op.role.value), []).append(sent)
+    if groups:
+        lines.append("communication the placements need (per rank, per step):")
+        for (kind, dim, role), sizes in sorted(groups.items()):
+            lines.append(f"  {kind:<20} on {dim:<6} {role:<4} x{len(sizes):<4} {_bytes(sum(sizes))}")
+    else:
+        lines.append("communication the placements need: none")
+    return "\n".join(lines)

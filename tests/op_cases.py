@@ -1,0 +1,286 @@
+"""Real op instances with real global values, for tests that check ops one at a time.
+
+The joint training programs (forward, loss, backward, gradient clipping, optimizer) of
+small models are captured and run once by a tiny interpreter that keeps every value, so
+each op comes with the inputs it really sees: valid ids, causal masks, dropout masks,
+optimizer states. Ops are deduplicated by target, input types and non-tensor arguments.
+A few synthetic cases add ops that these models do not produce but that have local forms.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.ir import Op, OpKind, Program, StateKind, TensorType, Value
+from autopar.ir.capture import capture
+from autopar.models import GPT, MLP, GPTConfig
+from autopar.models.gpt import lm_loss
+from autopar.passes.context import PassContext
+from autopar.passes.decompose_loss import decompose_loss
+from autopar.passes.manager import PassManager
+from autopar.runtime import optim_kernels  # noqa: F401  (registers optim.* kernels)
+from autopar.runtime.kernels import resolve
+from autopar.strategy import Strategy
+
+BATCH, SEQ, VOCAB = 2, 8, 30
+SEED = 1234
+
+
+@dataclass(repr=False)
+class OpCase:
+    op: Op
+    inputs: list[Any]          # runtime value of each op.inputs entry (tensors are global)
+    outputs: list[Any]         # runtime value of each op.outputs entry
+    rng_state: torch.Tensor | None    # generator state just before a random op ran
+    model: str
+
+    @property
+    def target(self) -> str:
+        return self.op.target
+
+    def __repr__(self) -> str:
+        return f"OpCase<{self.describe()}>"
+
+    def describe(self) -> str:
+        types = ", ".join(str(v.type) for v in self.op.inputs)
+        return f"{self.op.target}({types}) in {self.model}:{self.op.module or '-'} " \
+               f"[{self.op.role.value}]"
+
+
+def is_random(target: str) -> bool:
+    if not target.startswith("aten."):
+        return False
+    try:
+        return torch.Tag.nondeterministic_seeded in resolve(target).tags
+    except KeyError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------
+# models
+# ----------------------------------------------------------------------------------------
+def _gpt(sdpa: bool, dropout: float) -> torch.nn.Module:
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=2, n_embd=12,
+                         dropout=dropout, sdpa=sdpa))
+
+
+def _hf_gpt2(attn: str) -> torch.nn.Module:
+    import transformers
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=12, n_head=2, vocab_size=VOCAB,
+                                  n_positions=16, bos_token_id=0, eos_token_id=0,
+                                  attn_implementation=attn)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _hf_llama(attn: str) -> torch.nn.Module:
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=12, intermediate_size=20, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1,
+                                   vocab_size=VOCAB, max_position_embeddings=16,
+                                   attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _lm_batch(dict_inputs: bool):
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    labels = ids.clone()
+    labels[0, 1] = -100           # an ignored target: exercises ignore_index paths
+    return ({"input_ids": ids} if dict_inputs else ids), labels
+
+
+# name -> (builder, loss, batch, decompose the mean loss)
+def _model_specs() -> dict[str, Callable]:
+    specs: dict[str, Callable] = {
+        "mlp": lambda: (MLP(6, 10, 5, depth=2), torch.nn.functional.mse_loss,
+                        (torch.randn(3, 6), torch.randn(3, 5)), False),
+        "gpt": lambda: (_gpt(False, 0.1), lm_loss, _lm_batch(False), True),
+        "gpt-sdpa": lambda: (_gpt(True, 0.1), lm_loss, _lm_batch(False), False),
+        "gpt-sdpa-nodrop": lambda: (_gpt(True, 0.0), lm_loss, _lm_batch(False), True),
+    }
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return specs
+    specs.update({
+        "hf-gpt2-eager": lambda: (_hf_gpt2("eager"), None, _lm_batch(True), False),
+        "hf-gpt2-sdpa": lambda: (_hf_gpt2("sdpa"), None, _lm_batch(True), True),
+        "hf-llama-eager": lambda: (_hf_llama("eager"), None, _lm_batch(True), True),
+        "hf-llama-sdpa": lambda: (_hf_llama("sdpa"), None, _lm_batch(True), False),
+    })
+    return specs
+
+
+def _program(model, loss, batch, decompose: bool) -> tuple[Program, torch.optim.Optimizer]:
+    inputs, labels = batch
+    program = capture(model, loss, inputs, labels, mode="train").program
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    strategy = Strategy(grad_clip={"max_norm": 1.0})
+    ctx = PassContext(strategy, optimizer, {id(p): n for n, p in model.named_parameters()})
+    program = PassManager().run(program, ctx)
+    if decompose:      # a no-op if the pipeline already decomposed the mean loss
+        program = decompose_loss(program, ctx)
+    return program, optimizer
+
+
+# ----------------------------------------------------------------------------------------
+# the interpreter
+# ----------------------------------------------------------------------------------------
+def _state_value(op: Op, model: torch.nn.Module) -> Any:
+    name, kind = op.attrs["name"], op.attrs["state"]
+    if kind is StateKind.PARAM:
+        return dict(model.named_parameters())[name].detach().clone()
+    if kind is StateKind.BUFFER:
+        return dict(model.named_buffers())[name].clone()
+    if kind is StateKind.CONST:
+        return op.attrs["_value"]
+    # optimizer state: not the all-zero first step, so the update math is exercised
+    t = op.result.type
+    key = name.rpartition("/")[2]
+    if key == "step":
+        return torch.tensor(3.0, dtype=t.dtype)
+    if key in ("exp_avg_sq", "max_exp_avg_sq"):
+        return torch.rand(t.shape, dtype=t.dtype) * 1e-3
+    return torch.randn(t.shape, dtype=t.dtype) * 1e-2
+
+
+def _clone(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def interpret(program: Program, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              batch, name: str) -> list[OpCase]:
+    """Run ``program`` op by op, keeping every value; one OpCase per call op."""
+    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    env: dict[Value, Any] = {}
+    cases = []
+    generator = torch.default_generator
+    saved = generator.get_state()
+    generator.manual_seed(SEED)
+    try:
+        with torch.no_grad():
+            for op in program.ops:
+                if op.kind is OpKind.INPUT:
+                    key = op.attrs["name"]
+                    group, _, index = key.partition("/")
+                    env[op.result] = leaves[int(index)] if group == "batch" \
+                        else optimizer.param_groups[int(index)]
+                elif op.kind is OpKind.STATE:
+                    env[op.result] = _state_value(op, model)
+                elif op.kind is OpKind.CALL:
+                    inputs = [env[v] for v in op.inputs]
+                    rng = generator.get_state() if is_random(op.target) else None
+                    swap = lambda a: _clone(env[a]) if isinstance(a, Value) else a  # noqa: E731
+                    args, kwargs = pytree.tree_map(swap, (op.args, op.kwargs))
+                    out = resolve(op.target)(*args, **kwargs)
+                    outs = list(out) if (len(op.outputs) > 1 or op.attrs.get("_multi")) \
+                        else [out]
+                    for v, o in zip(op.outputs, outs, strict=True):
+                        env[v] = o
+                    cases.append(OpCase(op, inputs, outs, rng, name))
+    finally:
+        generator.set_state(saved)
+    return cases
+
+
+def _arg_key(a: Any) -> Any:
+    if isinstance(a, Value):
+        return str(a.type)
+    if isinstance(a, float):
+        return repr(a)
+    return repr(a)
+
+
+def case_key(op: Op) -> tuple:
+    args, kwargs = pytree.tree_map(_arg_key, (op.args, op.kwargs))
+    return (op.target, repr(args), repr(sorted(kwargs.items())))
+
+
+# ----------------------------------------------------------------------------------------
+# synthetic cases: ops with local forms that the models above do not produce
+# ----------------------------------------------------------------------------------------
+def synthetic(target: str, *args, model: str = "synthetic", **kwargs) -> OpCase:
+    """An OpCase from concrete arguments: tensors become Values."""
+    values: list[Any] = []
+
+    def to_value(a):
+        if isinstance(a, torch.Tensor):
+            values.append(a)
+            return Value(TensorType(tuple(a.shape), a.dtype))
+        return a
+
+    vargs, vkwargs = pytree.tree_map(to_value, (args, kwargs))
+    rng = torch.default_generator.get_state() if is_random(target) else None
+    out = resolve(target)(*pytree.tree_map(_clone, args), **kwargs)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    types = [TensorType(tuple(o.shape), o.dtype) for o in outs]
+    op = Op(OpKind.CALL, target, vargs, vkwargs, [Value(t) for t in types])
+    return OpCase(op, values, outs, rng, model)
+
+
+def _synthetic_cases() -> list[OpCase]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 5, 4, generator=g)
+    saved = torch.default_generator.get_state()
+    torch.default_generator.manual_seed(SEED + 1)
+    try:
+        return [
+            synthetic("aten.mean.default", x),
+            synthetic("aten.mean.dim", x, [0, 2], True),
+            synthetic("aten.arange.start_step", 3, 40, 3),
+            synthetic("aten.arange.start", 2, 9, dtype=torch.float32),
+            synthetic("aten.triu.default", torch.randn(7, 9, generator=g), 1),
+            synthetic("aten.tril.default", torch.randn(2, 7, 6, generator=g), -1),
+            synthetic("aten.new_zeros.default", x, [5, 7]),
+            synthetic("aten.full.default", [6, 4], 2.5),
+            synthetic("aten.native_dropout.default", torch.randn(6, 5, generator=g), 0.3, True),
+            synthetic("aten.rand_like.default", x),
+            synthetic("aten.randn.default", [7, 3]),
+            synthetic("aten.embedding.default", torch.randn(11, 4, generator=g),
+                      torch.randint(0, 11, (3, 5), generator=g)),
+            synthetic("aten.embedding_dense_backward.default", torch.randn(3, 5, 4, generator=g),
+                      torch.randint(0, 11, (3, 5), generator=g), 11, 2, True),
+            synthetic("aten.mse_loss_backward.default", torch.tensor(0.7), torch.randn(5, 3),
+                      torch.randn(5, 3), 1),
+        ]
+    finally:
+        torch.default_generator.set_state(saved)
+
+
+# ----------------------------------------------------------------------------------------
+# the collection
+# ----------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def collect(unique: bool = True) -> tuple[OpCase, ...]:
+    """Every call op of every model's training program (first instance of each key)."""
+    saved = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    cases: list[OpCase] = []
+    try:
+        for name, spec in _model_specs().items():
+            model, loss, batch, decompose = spec()
+            model.train()
+            program, optimizer = _program(model, loss, batch, decompose)
+            cases += interpret(program, model, optimizer, batch, name)
+        cases += _synthetic_cases()
+    finally:
+        torch.random.set_rng_state(saved)
+    if not unique:
+        return tuple(cases)
+    seen: dict[tuple, OpCase] = {}
+    for case in cases:
+        seen.setdefault(case_key(case.op), case)
+    return tuple(seen.values())
+
+
+def by_target() -> dict[str, list[OpCase]]:
+    table: dict[str, list[OpCase]] = {}
+    for case in collect():
+        table.setdefault(case.target, []).append(case)
+    return dict(sorted(table.items()))
+
+
+__all__ = ["OpCase", "collect", "by_target", "interpret", "synthetic", "case_key", "is_random"]
