@@ -20,6 +20,7 @@ test: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) bench/serial.py
+	$(PY) bench/plan.py
 
 clean:
 	rm -rf .venv

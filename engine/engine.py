@@ -6,7 +6,9 @@ programs are cached by mode and batch signature.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -108,15 +110,19 @@ class Engine:
         if key not in self._plans:
             if mode == "train" and self.optimizer is None:
                 raise ValueError("training needs an optimizer: Engine(model, loss, optimizer=...)")
-            captured = capture(self.model, self.loss, inputs, labels, mode=mode)
-            ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode,
-                              param_annotations=self._param_annotations())
-            manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
-            program = manager.run(captured.program, ctx)
-            self._init_optimizer_state(program)
-            self._plans[key] = Plan(captured.spec, program, Executor(program, self.state),
-                                    dict(manager.timings), ctx.mesh)
+            with _gc_paused():
+                self._plans[key] = self._plan_once(mode, inputs, labels)
         return self._plans[key]
+
+    def _plan_once(self, mode: str, inputs: Any, labels: Any) -> Plan:
+        captured = capture(self.model, self.loss, inputs, labels, mode=mode)
+        ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode,
+                          param_annotations=self._param_annotations())
+        manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
+        program = manager.run(captured.program, ctx)
+        self._init_optimizer_state(program)
+        return Plan(captured.spec, program, Executor(program, self.state),
+                    dict(manager.timings), ctx.mesh)
 
     def _param_annotations(self) -> dict:
         found = {name: param_annotation(p) for name, p in self.model.named_parameters()}
@@ -246,6 +252,20 @@ class Engine:
                 own = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
                 if own:
                     self.optimizer.state[p].update(own)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Planning builds tens of thousands of long-lived objects (fake tensors, IR); Python's
+    cyclic collector would rescan them all many times over. Refcounting still frees
+    garbage meanwhile, and the collector resumes afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _check_plannable(strategy: Strategy) -> None:

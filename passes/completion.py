@@ -43,6 +43,7 @@ class _Completion:
         self.requests: dict[Value, tuple[DistAttr, Op]] = {}
         self.pending = [op for op in program.ops if op.kind is OpKind.CALL]
         self.position = {op: i for i, op in enumerate(program.ops)}
+        self.ins = {op: tensor_inputs(op) for op in self.pending}
         self.warned: set[str] = set()
 
     def run(self) -> None:
@@ -61,7 +62,7 @@ class _Completion:
     def _forward_sweep(self) -> None:
         waiting = []
         for op in self.pending:
-            ins = tensor_inputs(op)
+            ins = self.ins[op]
             dists = [v.dist for v in ins]
             if ins and all(d is None for d in dists):
                 waiting.append(op)
@@ -86,8 +87,8 @@ class _Completion:
                 if any(h is not None for h in hints):
                     rule = lookup(op)
                     wanted = (rule.reverse(op, hints, self.mesh) if rule is not None
-                              else [DistAttr.replicated(self.mesh)] * len(tensor_inputs(op)))
-                    for v, need in zip(tensor_inputs(op), wanted):
+                              else [DistAttr.replicated(self.mesh)] * len(self.ins[op]))
+                    for v, need in zip(self.ins[op], wanted):
                         if v.dist is None:
                             self._request(v, need, op)
 
@@ -126,7 +127,7 @@ class _Completion:
         op.needs = decision.needs
         has_rule = lookup(op) is not None
         for v, dist in zip(op.outputs, decision.outputs):
-            if v.is_tensor:
+            if v.is_tensor and v.dist is None:   # a pinned output (annotate) keeps its why
                 v.dist = dist
                 v.why = Reason("rule" if has_rule else "no_rule",
                                f"{op.target.removesuffix('.default')} "

@@ -69,9 +69,11 @@ def format_explanations(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
-def explain_value(program: Program, what: str, depth: int = 6) -> str:
+def explain_value(program: Program, what: str, depth: int = 64) -> str:
     """The chain of reasons behind one value, back to annotations. ``what`` is a printed
-    name (``%12``), a result slot (``grad[fc1.weight]``, ``loss``) or a state/input name."""
+    name (``%12``), a result slot (``grad[fc1.weight]``, ``loss``) or a state/input name.
+    Only sources that are sharded or partial are followed: a replicated input constrains
+    nothing, so it is named in its consumer's line and not expanded."""
     names = value_names(program)
     value = _find(program, names, what)
     dims = _mesh_dims(program)
@@ -85,7 +87,8 @@ def explain_value(program: Program, what: str, depth: int = 6) -> str:
         why = v.why.describe(names, dims) if v.why is not None else "not placed"
         lines.append(f"{'  ' * level}{names[v]} {_placements(v)} = {_where(v)}: {why}")
         for source in (v.why.sources if v.why is not None else ()):
-            visit(source, level + 1)
+            if source.dist is not None and not source.dist.is_replicated:
+                visit(source, level + 1)
 
     visit(value, 0)
     return "\n".join(lines) + "\n"

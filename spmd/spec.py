@@ -81,8 +81,12 @@ class Spec:
         return cls(tuple(split(lhs)), tuple(split(rhs)), **flags)
 
     # -- queries -------------------------------------------------------------------------
-    def input_letters(self) -> set[str]:
-        return {c for s in self.inputs if s for c in s if c != UNSHARDABLE}
+    def input_letters(self) -> frozenset[str]:
+        cached = self.__dict__.get("_input_letters")
+        if cached is None:   # specs are immutable; the engine asks this often
+            cached = frozenset(c for s in self.inputs if s for c in s if c != UNSHARDABLE)
+            self.__dict__["_input_letters"] = cached
+        return cached
 
     def is_linear_input(self, index: int) -> bool:
         return self.linear != "none" and (self.linear_inputs is None or index in self.linear_inputs)

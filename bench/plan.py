@@ -1,0 +1,95 @@
+"""Offline planning time: a whole GPT training step (forward, backward, AdamW) planned for
+an 8-rank 3-D mesh in one plain process: capture + every pass (completion included, IR
+verified between passes as by default).
+
+The torch-native baseline measured in the same run is what torch alone needs to trace the
+same step: ``make_fx`` over ``functional_call`` + ``autograd.grad`` on fake tensors. Each
+size is planned ``repeats`` times after a warm-up plan (the first trace in a process also
+imports torch's tracing machinery); medians are printed, and the 48/24-layer ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import autopar as ap
+from autopar.models import GPT, GPTConfig
+from autopar.models.gpt import lm_loss
+
+STRATEGY = """
+mesh: {shape: [2, 2, 2], dim_names: [pp, dp, tp]}   # pp: replicated until pipelines land
+data_parallel: {axis: dp}
+tensor_parallel:
+  axis: tp
+  plan: {"blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise,
+         "blocks.*.fc1": colwise, "blocks.*.fc2": rowwise, "wte": vocab}
+"""
+
+
+def _model(layers: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=1024, block_size=128, n_layer=layers, n_head=8, n_embd=256))
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, 1024, (16, 128))
+
+
+def plan_seconds(layers: int) -> tuple[float, int, dict[str, float]]:
+    model = _model(layers)
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()),
+                       strategy=ap.Strategy.from_yaml_str(STRATEGY))
+    ids = _batch()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # a missing rule would make this plan meaningless
+        program = engine.prepare(ids, ids)
+    seconds = time.perf_counter() - start
+    timings = next(iter(engine._plans.values())).pass_timings
+    return seconds, len(program.ops), timings
+
+
+def trace_seconds(layers: int) -> float:
+    """torch alone: trace the same training step with make_fx on fake tensors."""
+    model = _model(layers)
+    names, params = zip(*model.named_parameters())
+    ids = _batch()
+
+    def step(values, x):
+        out = torch.func.functional_call(model, dict(zip(names, values)), (x,))
+        loss = lm_loss(out, x)
+        return [loss, *torch.autograd.grad(loss, values)]
+
+    start = time.perf_counter()
+    make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+        [p.detach().requires_grad_() for p in params], ids)
+    return time.perf_counter() - start
+
+
+def main(repeats: int = 3) -> dict[int, float]:
+    cold, _, _ = plan_seconds(1)
+    print(f"cold start (first plan in the process, 1 layer): {cold:.2f} s")
+    medians = {}
+    for layers in (24, 48):
+        runs = [plan_seconds(layers) for _ in range(repeats)]
+        torch_runs = [trace_seconds(layers) for _ in range(repeats)]
+        seconds = statistics.median(r[0] for r in runs)
+        baseline = statistics.median(torch_runs)
+        passes = sum(runs[0][2].values())
+        medians[layers] = seconds
+        print(f"{layers} layers: plan {seconds:.2f} s ({runs[0][1]} ops; passes {passes:.2f} s, "
+              f"completion {runs[0][2]['completion']:.2f} s) | torch make_fx trace alone "
+              f"{baseline:.2f} s | ratio plan/trace {seconds / baseline:.2f}")
+    print(f"48 / 24 layers: {medians[48] / medians[24]:.2f}x")
+    return medians
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    main(parser.parse_args().repeats)

@@ -1,0 +1,291 @@
+"""Completion through the public API: annotations (shard_tensor, the YAML plan,
+data_parallel) in, a placement on every value out, with the communication the placements
+imply and an explanation for each choice."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar as ap
+from autopar.ir import OpKind, Role
+from autopar.ir.dist import DistAttr, Partial, Replicate, Shard
+from autopar.passes.annotate import AnnotationError
+from autopar.passes.completion import MissingRuleError, MissingRuleWarning
+from autopar.passes.explain import planned_moves
+
+TP = ap.ProcessMesh([0, 1], dim_names=["tp"])
+
+
+class MegatronMLP(nn.Module):
+    def __init__(self, d: int = 16, hidden: int = 64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _mse(out, y):
+    return F.mse_loss(out, y)
+
+
+def _plan(model, strategy=None, x=None, y=None, loss=_mse, optimizer=None):
+    torch.manual_seed(0)
+    engine = ap.Engine(model, loss, optimizer or torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=strategy or ap.Strategy())
+    x = torch.randn(8, 16) if x is None else x
+    y = torch.randn(8, 16) if y is None else y
+    return engine, engine.prepare(x, y)
+
+
+def _by_target(program, target, role=Role.FORWARD):
+    return [op for op in program.ops if op.target == target and op.role is role]
+
+
+def _placements(v):
+    return tuple(v.dist.placements)
+
+
+def _moves(program, role=None):
+    return [m for m in planned_moves(program) if role is None or m[0].role is role]
+
+
+def test_megatron_mlp_from_shard_tensor_needs_no_communication_between_the_matmuls():
+    model = MegatronMLP()
+    ap.shard_tensor(model.fc1.weight, TP, [Shard(0)])
+    ap.shard_tensor(model.fc1.bias, TP, [Shard(0)])
+    ap.shard_tensor(model.fc2.weight, TP, [Shard(1)])
+    _, program = _plan(model)
+    first, second = _by_target(program, "aten.addmm.default")
+    assert _placements(first.result) == (Shard(1),)
+    assert _placements(second.result) == (Partial("sum"),)
+    # forward: the only communication is reducing the row-parallel output for the loss
+    forward_moves = [(v.producer.target, kind) for _, v, _, kind, _ in _moves(program, Role.FORWARD)]
+    assert all(target != "aten.addmm.default" or v_kind != "all_gather"
+               for target, v_kind in forward_moves)
+    assert not any(op is second for op, *_ in _moves(program)
+                   if op.target == "aten.addmm.default" and _[2] == "all_gather")
+    gelu = _by_target(program, "aten.gelu.default")[0]
+    assert gelu.needs == (gelu.args[0].dist,) and _placements(gelu.result) == (Shard(1),)
+
+
+def test_megatron_backward_agrees_with_forward_and_sharded_grads_need_no_gather():
+    model = MegatronMLP()
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["tp"]},
+                           tensor_parallel={"axis": "tp", "plan": {"fc1": "colwise", "fc2": "rowwise"}})
+    engine, program = _plan(model, strategy)
+    updates = {op.args[0].producer.attrs["name"]: op for op in program.ops if op.role is Role.OPTIMIZER
+               and op.kind is OpKind.CALL}
+    for name, want in {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1),
+                       "fc2.bias": Replicate()}.items():
+        update = updates[name]
+        param, grad = update.args[0], update.args[1]
+        assert _placements(param) == (want,), name
+        # the gradient arrives as the parameter is placed, or as a partial of it on tp
+        if want != Replicate():
+            assert _placements(grad) == (want,), (name, grad.dist)
+    # backward of column-parallel fc1: the input gradient would be Partial (dx of fc1 is
+    # not needed here: x needs no grad), and no all-gather happens in backward
+    assert not [m for m in _moves(program, Role.BACKWARD) if m[3] == "all_gather"]
+    assert "tensor_parallel.plan 'fc1': colwise" in engine.explain("fc1.weight")
+
+
+def test_data_parallel_makes_gradients_partial_sum_on_dp_and_the_optimizer_reduces_them():
+    model = MegatronMLP()
+    strategy = ap.Strategy(mesh={"shape": [4], "dim_names": ["dp"]}, data_parallel={"axis": "dp"})
+    engine, program = _plan(model, strategy)
+    for op in program.ops:
+        if op.kind is OpKind.CALL and op.role is Role.OPTIMIZER:
+            assert _placements(op.args[1]) == (Partial("sum"),)
+            assert op.needs[1].placements == (Replicate(),)
+    opt_moves = {(kind, dim) for op, _, dim, kind, _ in _moves(program, Role.OPTIMIZER)}
+    assert opt_moves == {("all_reduce", "dp")}
+    # the only other communication: the loss terms (sum and count) are scalars
+    others = [m for m in _moves(program) if m[0].role is not Role.OPTIMIZER]
+    assert all(m[1].type.numel == 1 for m in others), others
+    why = engine.explain("grad[fc1.weight]")
+    assert "P(sum)" in why.splitlines()[0] and "data_parallel.axis dp" in why
+
+
+def test_every_value_is_placed_for_gpt_on_a_2d_mesh_and_plan_dims_follow_graph_use():
+    from autopar.models import GPT, GPTConfig
+    from autopar.models.gpt import lm_loss
+    strategy = ap.Strategy.from_yaml("configs/dp_tp.yaml")
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    ids = torch.randint(0, 64, (4, 16))
+    engine, program = _plan(model, strategy, ids, ids, loss=lm_loss,
+                            optimizer=torch.optim.AdamW(model.parameters()))
+    unplaced = [op.target for op in program.ops for v in op.outputs if v.is_tensor and v.dist is None]
+    assert not unplaced
+    for op in program.ops:
+        if op.kind is OpKind.CALL:
+            assert len(op.needs) == len([v for v in op.inputs if v.is_tensor]), op.target
+    params = {op.attrs["name"]: op.result for op in program.states()}
+    tp = lambda name: params[name].dist.placements[1]  # noqa: E731
+    assert tp("blocks.0.fc1.weight") == Shard(0) and tp("blocks.0.fc2.weight") == Shard(1)
+    assert tp("wte.weight") == Shard(0) and tp("blocks.0.fc2.bias") == Replicate()
+    assert all(p.dist.placements[0] == Replicate() for p in params.values())
+
+
+def test_hf_conv1d_weights_stored_transposed_get_the_right_plan_dims():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["tp"]}, tensor_parallel={
+        "axis": "tp", "plan": {"transformer.h.*.mlp.c_fc": "colwise",
+                               "transformer.h.*.mlp.c_proj": "rowwise"}})
+    ids = torch.randint(0, 64, (2, 8))
+    _, program = _plan(model, strategy, {"input_ids": ids}, ids, loss=None)
+    params = {op.attrs["name"]: op.result for op in program.states()}
+    # Conv1D stores [in, out]: column-parallel shards dim 1, row-parallel dim 0
+    assert params["transformer.h.0.mlp.c_fc.weight"].dist.placements == (Shard(1),)
+    assert params["transformer.h.0.mlp.c_fc.bias"].dist.placements == (Shard(0),)
+    assert params["transformer.h.0.mlp.c_proj.weight"].dist.placements == (Shard(0),)
+    assert params["transformer.h.0.mlp.c_proj.bias"].dist.placements == (Replicate(),)
+
+
+def test_llama_swiglu_mlp_runs_column_then_row_without_gathering():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                   max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["tp"]}, tensor_parallel={
+        "axis": "tp", "plan": {"model.layers.*.mlp.gate_proj": "colwise",
+                               "model.layers.*.mlp.up_proj": "colwise",
+                               "model.layers.*.mlp.down_proj": "rowwise"}})
+    ids = torch.randint(0, 64, (2, 8))
+    _, program = _plan(model, strategy, {"input_ids": ids}, ids, loss=None)
+    down = [op for op in program.ops if op.module.endswith("down_proj") and op.role is Role.FORWARD
+            and op.target == "aten.mm.default"][0]
+    assert down.result.dist.placements == (Partial("sum"),)
+    mlp_moves = [m for m in _moves(program, Role.FORWARD) if ".mlp" in m[0].module]
+    assert not mlp_moves, [(m[0].target, m[3]) for m in mlp_moves]
+
+
+class _Conflict(nn.Module):
+    """Two activations pinned with clashing shardings meet in a matmul; moving the smaller
+    one is cheaper, so completion keeps the big one where it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(64, 8))
+        self.b = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x):
+        big = ap.shard_tensor(x @ self.a, TP, [Shard(0)])          # [16, 8] rows
+        small = ap.shard_tensor(self.b * 1.0, TP, [Shard(1)])       # [8, 4] cols
+        return big @ small
+
+
+def test_a_conflict_picks_the_cheaper_reshard():
+    model = _Conflict()
+    _, program = _plan(model, x=torch.randn(16, 64), y=torch.randn(16, 4))
+    mm = [op for op in program.ops if op.target == "aten.mm.default" and op.role is Role.FORWARD][-1]
+    big, small = mm.args
+    assert mm.needs[0] == big.dist                               # the big one stays sharded
+    assert mm.needs[1].placements == (Replicate(),)              # the small one is gathered
+    choice = small.producer.outputs[0].why                       # explained on the result
+    assert "over" in mm.result.why.describe({}, ("tp",))
+
+
+def test_annotations_are_never_overridden_and_reshard_is_planned_instead():
+    class Pinned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return ap.shard_tensor(self.fc(x), TP, [Replicate()]) * 2
+
+    model = Pinned()
+    ap.shard_tensor(model.fc.weight, TP, [Shard(0)])
+    engine, program = _plan(model)
+    annotate = [op for op in program.ops if op.target == "autopar.annotate"][0]
+    assert annotate.result.dist.placements == (Replicate(),)
+    assert annotate.args[0].dist.placements == (Shard(1),)
+    assert annotate.needs[0].placements == (Replicate(),)
+    assert program.states()[0].result.dist.placements == (Shard(0),)
+    assert "shard_tensor in forward" in engine.explain(
+        f"%{list(_names(program)).index(annotate.result)}")
+
+
+def _names(program):
+    return [v for op in program.ops for v in op.outputs]
+
+
+class _Cumsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), 1)
+
+
+def test_an_op_without_a_rule_warns_by_name_and_runs_replicated_or_errors_when_strict():
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"})
+    with pytest.warns(MissingRuleWarning, match=r"cumsum.default \(top level, fwd\)"):
+        _, program = _plan(_Cumsum(), strategy)
+    op = [op for op in program.ops if "erfcx" in op.target][0]
+    assert op.needs[0].placements == (Replicate(),) and op.result.dist.placements == (Replicate(),)
+    strict = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"},
+                         debug={"strict_rules": True})
+    with pytest.raises(MissingRuleError, match="cumsum"):
+        _plan(_Cumsum(), strict)
+
+
+def test_plan_errors_name_the_entry_and_the_modules():
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["tp"]},
+                           tensor_parallel={"axis": "tp", "plan": {"fc3": "colwise"}})
+    with pytest.raises(AnnotationError, match=r"'fc3'.*matches no module.*fc1, fc2"):
+        _plan(MegatronMLP(), strategy)
+
+
+def test_an_annotation_on_another_mesh_is_refused():
+    model = MegatronMLP()
+    ap.shard_tensor(model.fc1.weight, ap.ProcessMesh([0, 1, 2, 3], ["tp"]), [Shard(0)])
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["tp"]})
+    with pytest.raises(AnnotationError, match="one mesh"):
+        _plan(model, strategy)
+
+
+def test_offline_planning_of_a_64_rank_mesh_in_one_process(tmp_path):
+    from autopar.models import GPT, GPTConfig
+    from autopar.models.gpt import lm_loss
+    strategy = ap.Strategy(mesh={"shape": [8, 8], "dim_names": ["dp", "tp"]},
+                           data_parallel={"axis": "dp"},
+                           tensor_parallel={"axis": "tp", "plan": {"blocks.*.fc1": "colwise",
+                                                                   "blocks.*.fc2": "rowwise"}},
+                           debug={"dump_dir": str(tmp_path)})
+    model = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=4, vocab_size=64, block_size=16))
+    ids = torch.randint(0, 64, (16, 16))
+    engine, program = _plan(model, strategy, ids, ids, loss=lm_loss)
+    assert program.states()[0].result.dist.mesh.size == 64
+    dumped = {p.name for p in (tmp_path / "rank0").iterdir()}
+    assert {"07_completion.txt", "07_completion.explain.txt"} <= dumped
+    text = (tmp_path / "rank0" / "07_completion.txt").read_text()
+    assert "{S(0),P(sum)}" in text and "reshard" in text
+    with pytest.raises(NotImplementedError, match="partition and reshard"):
+        engine.fit([(row, row) for row in ids], batch_size=16, verbose=0)
+
+
+def test_cli_plans_an_unmodified_script_and_explains(capsys, tmp_path):
+    from autopar.__main__ import main
+    main(["plan", "examples/train_gpt.py", "--strategy", "configs/dp.yaml", "--dump-dir",
+          str(tmp_path), "--explain", "grad[blocks.0.fc1.weight]", "--", "--layers", "1"])
+    out = capsys.readouterr().out
+    assert "mesh: mesh[2](dp)" in out
+    assert "all_reduce" in out and "on dp" in out
+    assert "explain grad[blocks.0.fc1.weight]" in out and "data_parallel.axis dp" in out
+    assert (tmp_path / "rank0" / "07_completion.txt").exists()
+
+
+def test_serial_programs_are_not_placed():
+    _, program = _plan(MegatronMLP())
+    assert all(v.dist is None for op in program.ops for v in op.outputs)
