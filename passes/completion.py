@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 
 from ..ir import Op, OpKind, Program, Value
-from ..ir.dist import DistAttr, ProcessMesh
+from ..ir.dist import DistAttr, ProcessMesh, Replicate
 from ..spmd import lookup
 from ..spmd.einsum import Decision, MeshDimChoice, Option
 from ..spmd.registry import describe, tensor_inputs
@@ -139,7 +139,9 @@ class _Completion:
         if not v.is_tensor or v.dist is not None or v not in self.requests:
             return False
         dist, op = self.requests[v]
-        v.dist = dist.check(v.type.shape)
+        # parameters, states and inputs hold whole values or shards, never partial terms
+        v.dist = DistAttr(dist.mesh, tuple(Replicate() if p.is_partial() else p
+                                           for p in dist.placements)).check(v.type.shape)
         v.why = Reason("consumer", f"as its first consumer {op.target.removesuffix('.default')}"
                                    f" ({op.module or '-'} {op.role.value}) wants it", op)
         return True

@@ -195,24 +195,15 @@ def _options(inf: _Inference, m: int, in_dists) -> list[Option]:
 
 
 def _price(inf: _Inference, option: Option, m: int, in_dists) -> float:
-    """Bytes the inputs move now, plus for each output this option leaves Partial the
-    reduce-scatter it will need at least later: passing a partial on is not free, it
-    defers a reduction (this is what keeps a reducible gradient from flowing past the
-    point where a reduce-scatter would have settled it)."""
+    """Bytes the inputs move to agree with ``option`` on mesh dim ``m``. Only
+    communication is priced; ties go to the earlier option (keep a shard, then a partial),
+    so compute is not duplicated where moving data costs the same."""
     n = inf.mesh.shape[m]
     total = 0.0
     for i, d in enumerate(in_dists):
         if d is not None:
             want = inf.required(option, i, in_dists)
             total += reshard_bytes(d.placements[m], want, inf.full_bytes(i, d, m), n)
-    for o, out in enumerate(inf.outs):
-        if out is not None and isinstance(inf.produced(option, o), Partial):
-            t = inf.out_types[o]
-            size = t.numel * t.dtype.itemsize
-            for k in range(m):
-                if isinstance(out[k], Shard):
-                    size /= inf.mesh.shape[k]
-            total += reshard_bytes(Partial(), Shard(0), size, n)
     return total
 
 

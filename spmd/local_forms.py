@@ -10,7 +10,9 @@ exceptions carry something global in their non-tensor arguments or in what they 
 * a vocab-sharded ``embedding`` holds only some rows, so other ids give 0 (a *masked*
   ``Partial(sum)``), and its backward scatters only into the rows the rank holds;
 * random ops must give every rank its slice of one global random tensor, or a sharded run
-  would not equal the single-device run.
+  would not equal the single-device run (a random op with a sharded output and no form
+  raises ``UnsupportedLocalForm`` rather than run wrong);
+* a few kernels crash on the empty pieces uneven shards leave (CPU flash attention).
 
 A local form is a pure function ``(op, ctx) -> LocalCall | None`` that rewrites the call:
 a target (an ATen overload, or a small ``autopar.*`` kernel registered here) and arguments
@@ -253,13 +255,13 @@ def _tril(op: Op, ctx: LocalContext) -> LocalCall | None:
 # means: divide the local sum by the global count, so the terms add up to the mean
 # ----------------------------------------------------------------------------------------
 @kernel("autopar.global_mean")
-def _global_mean(target: str, count: int, *args, **kwargs) -> torch.Tensor:
+def _global_mean(target: str, count: int | float, *args, **kwargs) -> torch.Tensor:
     """``target`` is the sum-reduced form of a mean; dividing by the *global* count makes
     the local result an exact term of a Partial(sum)."""
     return resolve(target)(*args, **kwargs) / count
 
 
-def _mean_count(op: Op, ctx: LocalContext, reduced: Sequence[int]) -> int | None:
+def _mean_count(op: Op, ctx: LocalContext, reduced: Sequence[int]) -> int | float | None:
     """The divisor each rank uses, or None when no reduced dim is sharded (the local mean
     is then the global one). ``Partial(avg)`` outputs already divide by the ranks of their
     mesh dim, so their share of the count is taken out again."""
@@ -270,10 +272,10 @@ def _mean_count(op: Op, ctx: LocalContext, reduced: Sequence[int]) -> int | None
         return None
     count = math.prod(shape[d] for d in reduced)
     out = ctx.out_placements(0)
-    for m in sharded:
-        if m < len(out) and out[m] == Partial("avg"):
-            count //= ctx.mesh.shape[m]
-    return count
+    ranks = math.prod(ctx.mesh.shape[m] for m in sharded
+                      if m < len(out) and out[m] == Partial("avg"))
+    # an avg over ranks of s_r / (N / ranks) is sum(s_r) / N, even for uneven pieces
+    return count // ranks if count % ranks == 0 else count / ranks
 
 
 def _dims(dims: Any, ndim: int) -> list[int]:
@@ -366,7 +368,7 @@ def vocab_embedding_backward(grad: torch.Tensor, indices: torch.Tensor, rows: in
 def _embedding(op: Op, ctx: LocalContext) -> LocalCall | None:
     if not ctx.in_shard_mesh_dims(0, 0):
         return None
-    (_, *_), (offset, *_) = ctx.in_offsets(op, 0)
+    offset = ctx.in_offsets(op, 0)[1][0]
     return LocalCall("autopar.vocab_embedding", (op.args[0], op.args[1], offset), {},
                      f"vocab rows from {offset}; other ids give 0 (masked partial)")
 

@@ -26,6 +26,8 @@ from autopar.runtime import optim_kernels  # noqa: F401  (registers optim.* kern
 from autopar.runtime.kernels import resolve
 from autopar.strategy import Strategy
 
+import models_zoo as zoo
+
 BATCH, SEQ, VOCAB = 2, 8, 30
 SEED = 1234
 
@@ -85,8 +87,12 @@ def _hf_llama(attn: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _lm_batch(dict_inputs: bool):
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+def _flat_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _lm_batch(dict_inputs: bool, vocab: int = VOCAB):
+    ids = torch.randint(0, vocab, (BATCH, SEQ))
     labels = ids.clone()
     labels[0, 1] = -100           # an ignored target: exercises ignore_index paths
     return ({"input_ids": ids} if dict_inputs else ids), labels
@@ -101,6 +107,14 @@ def _model_specs() -> dict[str, Callable]:
         "gpt-sdpa": lambda: (_gpt(True, 0.1), lm_loss, _lm_batch(False), False),
         "gpt-sdpa-nodrop": lambda: (_gpt(True, 0.0), lm_loss, _lm_batch(False), True),
     }
+    specs.update({
+        "zoo-rotary": lambda: (zoo.TinyLM(zoo.RotaryAttention(12, 2), 12), _flat_lm_loss,
+                               _lm_batch(False, zoo.VOCAB), False),
+        "zoo-maskbuffer": lambda: (zoo.TinyLM(zoo.MaskBufferAttention(12, 16), 12),
+                                   _flat_lm_loss, _lm_batch(False, zoo.VOCAB), False),
+        "zoo-batchnorm": lambda: (zoo.BatchNormNet(6), torch.nn.functional.cross_entropy,
+                                  (torch.randn(5, 6), torch.randint(0, 4, (5,))), False),
+    })
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -245,6 +259,10 @@ def _synthetic_cases() -> list[OpCase]:
                       torch.randint(0, 11, (3, 5), generator=g), 11, 2, True),
             synthetic("aten.mse_loss_backward.default", torch.tensor(0.7), torch.randn(5, 3),
                       torch.randn(5, 3), 1),
+            # the mean-reduced loss as a model without decompose_loss would have it
+            synthetic("aten.nll_loss_forward.default",
+                      torch.randn(5, 7, generator=g).log_softmax(-1),
+                      torch.tensor([1, 6, -100, 0, 3]), None, 1, -100),
         ]
     finally:
         torch.default_generator.set_state(saved)

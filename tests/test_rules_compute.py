@@ -164,7 +164,8 @@ FORWARD = [
     ("sum.default/all", mk(A + "sum.default", T(8, 16)), MESH1, ("S(0)",), ["S(0)"], [P1]),
     ("mean/reduced-dim->partial", mk(A + "mean.dim", T(8, 16), [-1], True), MESH1, ("S(1)",),
      ["S(1)"], [P1]),
-    ("mean.default/whole", mk(A + "mean.default", T(8, 16)), MESH1, ("S(0)",), ["R"], ["R"]),
+    ("mean.default/all->partial", mk(A + "mean.default", T(8, 16)), MESH1, ("S(0)",),
+     ["S(0)"], [P1]),
     ("amax/reduced-dim->max", mk(A + "amax.default", T(8, 16), [1]), MESH1, ("S(1)",),
      ["S(1)"], ["P(max)"]),
     ("amax/partial-sum-reduced", mk(A + "amax.default", T(8, 16), [1]), MESH1, (P1,), ["R"],
@@ -243,6 +244,31 @@ FORWARD = [
     ("nll_backward/none-grad-rows", mk(A + "nll_loss_backward.default", T(8), T(8, 10),
                                        T(8, dtype=I64), T(10), 0, -100, T()), MESH1,
      ("S(0)", "S(0)", "S(0)", "R", "R"), ["S(0)", "S(0)", "S(0)", "R", "R"], ["S(0)"]),
+    ("mse/mean-batch->partial", mk(A + "mse_loss.default", T(8, 4), T(8, 4)), MESH1,
+     ("S(0)", "S(0)"), ["S(0)", "S(0)"], [P1]),
+    ("mse/none-pointwise", mk(A + "mse_loss.default", T(8, 4), T(8, 4), 0), MESH2,
+     ("S(0),S(1)", "S(0),R"), ["S(0),S(1)", "S(0),S(1)"], ["S(0),S(1)"]),
+    ("mse_backward/mean-rows", mk(A + "mse_loss_backward.default", T(), T(8, 4), T(8, 4), 1),
+     MESH1, ("R", "S(0)", "S(0)"), ["R", "S(0)", "S(0)"], ["S(0)"]),
+    # --- batch norm: channels shard; batch/spatial only in eval (running statistics)
+    ("batch_norm/train-channels", mk(A + "native_batch_norm.default", T(4, 8, 5, 5), T(8),
+                                     T(8), T(8), T(8), True, 0.1, 1e-5), MESH1,
+     ("S(1)", "S(0)", "S(0)", "S(0)", "S(0)"), ["S(1)"] + ["S(0)"] * 4,
+     ["S(1)", "S(0)", "S(0)"]),
+    ("batch_norm/train-batch-gathered", mk(A + "native_batch_norm.default", T(4, 8, 5, 5),
+                                           None, None, None, None, True, 0.1, 1e-5), MESH1,
+     ("S(0)",), ["R"], ["R", "R", "R"]),
+    ("batch_norm/eval-batch", mk(A + "native_batch_norm.default", T(4, 8, 5, 5), T(8), T(8),
+                                 T(8), T(8), False, 0.1, 1e-5), MESH1,
+     ("S(0)", "R", "R", "R", "R"), ["S(0)", "R", "R", "R", "R"], ["S(0)", P1, P1]),
+    ("batch_norm_backward/train-channels",
+     mk(A + "native_batch_norm_backward.default", T(4, 8, 5, 5), T(4, 8, 5, 5), T(8), T(8),
+        T(8), T(8), T(8), True, 1e-5, [True] * 3), MESH1, ("S(1)", "S(1)") + ("S(0)",) * 5,
+     ["S(1)", "S(1)"] + ["S(0)"] * 5, ["S(1)", "S(0)", "S(0)"]),
+    ("batch_norm_backward/eval-batch->param-grads-partial",
+     mk(A + "native_batch_norm_backward.default", T(16, 8, 5, 5), T(16, 8, 5, 5), T(8), T(8),
+        T(8), T(8), T(8), False, 1e-5, [True] * 3), MESH1, ("S(0)", "S(0)") + ("R",) * 5,
+     ["S(0)", "S(0)"] + ["R"] * 5, ["S(0)", P1, P1]),
     # --- embedding
     ("embedding/vocab-parallel->partial",
      mk(A + "embedding.default", T(64, 16), T(4, 8, dtype=I64)), MESH1, ("S(0)", "R"),
@@ -298,12 +324,13 @@ FORWARD = [
     ("ones/replicated", mk(A + "ones.default", [4, 8]), MESH1, (), [], ["R"]),
     ("full/replicated", mk(A + "full.default", [4, 8], 1.5), MESH2, (), [], [RR]),
     ("scalar_tensor/replicated", mk(A + "scalar_tensor.default", 2.0), MESH1, (), [], ["R"]),
-    ("zeros_like/partial-passes", mk(A + "zeros_like.default", T(8, 16)), MESH1, (P1,), [P1],
-     [P1]),
-    ("ones_like/follows-shards", mk(A + "ones_like.default", T(8, 16)), MESH2, ("S(0),S(1)",),
-     ["S(0),S(1)"], ["S(0),S(1)"]),
-    ("ones_like/partial-reduced", mk(A + "ones_like.default", T(8, 16)), MESH1, (P1,), ["R"],
-     ["R"]),
+    # *_like reads only the shape: a Partial input stays as it is, the output is whole.
+    ("ones_like/loss-seed-needs-no-reduce", mk(A + "ones_like.default", T()), MESH1, (P1,),
+     [P1], ["R"]),
+    ("zeros_like/partial-in-replicated-out", mk(A + "zeros_like.default", T(8, 16)), MESH2,
+     ("S(0),P(sum)",), ["S(0),P(sum)"], ["S(0),R"]),
+    ("empty_like/follows-shards", mk(A + "empty_like.default", T(8, 16)), MESH2,
+     ("S(0),S(1)",), ["S(0),S(1)"], ["S(0),S(1)"]),
     ("lift_fresh_copy/follows", mk(A + "lift_fresh_copy.default", T(8, 16)), MESH1, ("S(1)",),
      ["S(1)"], ["S(1)"]),
     # --- masks, padding, indexing
@@ -379,6 +406,8 @@ REVERSE = [
     ("index_select/index", mk(A + "index_select.default", T(8, 16), 0, T(4, dtype=I64)),
      MESH1, ("S(0)",), ["R", "S(0)"]),
     ("tril/partial", mk(A + "tril.default", T(16, 16)), MESH1, (P1,), [P1]),
+    ("ones_like/shard", mk(A + "ones_like.default", T(8, 16)), MESH2, ("P(sum),S(1)",),
+     ["R,S(1)"]),
 ]
 
 
@@ -409,6 +438,7 @@ sum.dim_IntList tanh tanh_backward tril where.self zeros relu threshold_backward
 sum.default amax amin max.dim var_mean.correction var.correction linalg_vector_norm clamp
 clamp_min reciprocal sqrt exp log sub.Tensor rsub.Tensor rsub.Scalar zeros_like full full_like
 empty.memory_format native_dropout native_dropout_backward triu index_select gather baddbmm
+mean.default mse_loss mse_loss_backward native_batch_norm native_batch_norm_backward
 """.split()
 
 
@@ -421,5 +451,5 @@ def test_every_listed_op_has_a_rule(name):
 def test_gqa_key_heads_are_unshardable_not_matched():
     """With fewer key heads the head letters differ, so a head shard cannot reach k/v."""
     op = mk(CPU_SDPA, Q, T(4, 2, 12, 32), T(4, 2, 12, 32))
-    spec = lookup(op).spec(op)[0]
+    spec = lookup(op).spec(op)
     assert spec.inputs[1][1] == "1" and "h" in spec.replicated

@@ -141,7 +141,7 @@ F = [
      ["R"]),
     ("expand-new-dim", "aten.expand.default", (T(6), [3, 6]), MESH2, ["S(0),R"], ["S(0),R"],
      ["S(1),R"]),
-    ("expand-partial", "aten.expand.default", (T(6), [1, -1]), MESH1, ["P(sum)"], ["P(sum)"],
+    ("expand-partial", "aten.expand.default", (T(6), [3, -1]), MESH1, ["P(sum)"], ["P(sum)"],
      ["P(sum)"]),
     ("repeat-tiled", "aten.repeat.default", (T(4, 6), [1, 2]), MESH2, ["S(0),S(1)"],
      ["S(0),R"], ["S(0),R"]),

@@ -1,23 +1,25 @@
 """The SPMD property: for each rule, on random meshes and placements, running the local op
-(its local form) on the pieces the rule assigns and reassembling each output by the
-placement the rule gives it (cat shards, reduce partials) equals the global op.
+(its local form, spmd/local_forms.py) on the pieces the rule assigns and reassembling each
+output by the placement the rule gives it (cat shards, reduce partials) equals the global op.
 
 Ops and their global inputs are real: every op of the joint training programs (forward,
-loss, backward, clipping, optimizer) of small models (autopar MLP and GPT, Hugging Face
-GPT-2 and Llama), run once by an interpreter that keeps every value (see op_cases.py).
+loss, backward, clipping, Adam) of small models (autopar MLP and GPT, models_zoo, Hugging
+Face GPT-2 and Llama), run once by an interpreter that keeps every value (op_cases.py).
 Inputs a rule needs Partial are split into random terms that reduce to the global value,
-so linearity claims are tested, not just the trivial "one rank holds it" split.
+so linearity claims are tested, not just the trivial "one rank holds it" split. Random ops
+run from the generator state they had in the program, on every rank.
 
 Two properties per op target: from random input placements (rule.forward), and from
 random output hints (rule.reverse, then rule.forward on what it proposes). Failures name
 the op, its model and module, the mesh, the placements, the rule's decision and the error.
+``test_local_form`` checks each local form on hand-picked placements, whatever the rules say.
 """
 from __future__ import annotations
 
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -25,33 +27,45 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
-from op_cases import OpCase, by_target  # noqa: E402
+from op_cases import OpCase, by_target, synthetic  # noqa: E402
 
 from autopar.ir import Value  # noqa: E402
 from autopar.ir.dist import (DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard,  # noqa: E402
-                             assemble, format_placements, shard_tensor_local)
+                             assemble, format_placements, parse_placements,
+                             shard_tensor_local)
 from autopar.spmd import lookup  # noqa: E402
 from autopar.spmd.local_forms import LocalContext, local_call, run_local  # noqa: E402
 from autopar.spmd.registry import tensor_inputs  # noqa: E402
 
 CASES: dict[str, list[OpCase]] = by_target()
 MODEL_TARGETS = sorted(t for t, cs in CASES.items() if any(c.model != "synthetic" for c in cs))
-EXAMPLES = int(os.environ.get("AUTOPAR_PROPERTY_EXAMPLES", "12"))
-RTOL = ATOL = 1e-5
+RTOL = ATOL = 1e-5     # relative to the largest magnitude of the expected output
 
 # Outputs whose values are unspecified: only shape and dtype are compared.
 UNINITIALIZED = {"aten.empty_like.default", "aten.empty.memory_format", "aten.new_empty.default",
                  "aten.empty_strided.default", "aten.new_empty_strided.default"}
 
-# Skipped on purpose, with the reason (targets here are not run by the property tests).
+# Targets the property tests do not run, with the reason. Empty: optimizer and random ops
+# run (random ops from their recorded generator state).
 SKIPPED: dict[str, str] = {}
 
-# Shrinking is off by default (a failing optimizer op shrinks for half a minute); the
-# failure message carries the whole case anyway. AUTOPAR_PROPERTY_SHRINK=1 turns it on.
+# Examples per target grow with its number of distinct cases; AUTOPAR_PROPERTY_SCALE
+# scales them (10 for a long hunt: about 3 minutes). Shrinking is off by default (a failing
+# optimizer op shrinks for half a minute and the message names the whole case anyway);
+# AUTOPAR_PROPERTY_SHRINK=1 turns it on.
+SCALE = float(os.environ.get("AUTOPAR_PROPERTY_SCALE", "1"))
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + (
     [Phase.shrink] if os.environ.get("AUTOPAR_PROPERTY_SHRINK") == "1" else [])
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                    phases=PHASES, suppress_health_check=list(HealthCheck))
+
+
+def examples(target: str) -> int:
+    return max(1, int(SCALE * min(30, max(8, 2 * len(CASES[target])))))
+
+
+def settings_for(target: str) -> settings:
+    return settings(max_examples=examples(target), deadline=None, derandomize=True,
+                    database=None, phases=PHASES, suppress_health_check=list(HealthCheck))
+
 
 # ----------------------------------------------------------------------------------------
 # strategies
@@ -243,48 +257,58 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
 
 def check(case: OpCase, mesh: ProcessMesh, in_dists: list[DistAttr | None], seed: int,
           origin: str) -> None:
-    op = case.op
-    rule = lookup(op)
-    ins = tensor_inputs(op)
+    """The property for the rule's decision on ``in_dists``."""
     head = (f"{origin}: {case.describe()}\n  mesh {mesh}\n  input placements "
             f"{[_fmt(d) for d in in_dists]}")
     try:
-        decision = rule.forward(op, in_dists, mesh)
+        decision = lookup(case.op).forward(case.op, in_dists, mesh)
     except Exception as exc:   # a rule must decide any valid placement
         raise AssertionError(f"{head}\n  rule.forward raised {type(exc).__name__}: {exc}") from exc
-    head += f"\n  needs {[_fmt(d) for d in decision.needs]}\n  outputs " \
-            f"{[_fmt(d) for d in decision.outputs]}"
-    assert len(decision.needs) == len(ins), f"{head}\n  {len(decision.needs)} needs for " \
-                                            f"{len(ins)} tensor inputs"
-    assert len(decision.outputs) == len(op.outputs), f"{head}\n  wrong number of outputs"
-    for v, d in zip(ins, decision.needs):
+    check_decision(case, mesh, tuple(decision.needs), tuple(decision.outputs), seed, head)
+
+
+def check_decision(case: OpCase, mesh: ProcessMesh, needs: tuple, outputs: tuple, seed: int,
+                   head: str) -> None:
+    """Run the local form of ``case.op`` on every rank's pieces of its inputs placed as
+    ``needs``; each output reassembled by its placement in ``outputs`` must be the global
+    output."""
+    op = case.op
+    ins = tensor_inputs(op)
+    head += f"\n  needs {[_fmt(d) for d in needs]}\n  outputs {[_fmt(d) for d in outputs]}"
+    assert len(needs) == len(ins), f"{head}\n  {len(needs)} needs for {len(ins)} tensor inputs"
+    assert len(outputs) == len(op.outputs), f"{head}\n  wrong number of outputs"
+    for v, d in zip(ins, needs):
         assert isinstance(d, DistAttr) and d.mesh == mesh, f"{head}\n  a need is not on the mesh"
         d.check(v.type.shape)
-    for v, d in zip(op.outputs, decision.outputs):
+    for v, d in zip(op.outputs, outputs):
         assert (d is None) != v.is_tensor, f"{head}\n  output placement {d} for {v.type}"
         if d is not None:
             d.check(v.type.shape)
 
     gen = torch.Generator().manual_seed(seed)
-    pieces = local_inputs(case, mesh, decision.needs, gen)
+    pieces = local_inputs(case, mesh, needs, gen)
     fresh_op, fresh = _fresh_op(op)
     per_rank: dict[tuple, list[Any]] = {}
     call = None
-    for coord in mesh.coordinates():
-        ctx = LocalContext(mesh, coord, tuple(decision.needs), tuple(decision.outputs))
-        try:
-            call = local_call(fresh_op, ctx)
-            if case.rng_state is not None:
-                torch.default_generator.set_state(case.rng_state)
-            result = run_local(fresh_op, ctx, dict(zip(fresh, pieces[coord])))
-        except Exception as exc:
-            raise AssertionError(f"{head}\n  local call at {coord} raised "
-                                 f"{type(exc).__name__}: {exc}") from exc
-        per_rank[coord] = _outputs_of(op, result)
+    saved = torch.default_generator.get_state()
+    try:
+        for coord in mesh.coordinates():
+            ctx = LocalContext(mesh, coord, needs, outputs)
+            try:
+                call = local_call(fresh_op, ctx)
+                if case.rng_state is not None:
+                    torch.default_generator.set_state(case.rng_state)
+                result = run_local(fresh_op, ctx, dict(zip(fresh, pieces[coord])))
+            except Exception as exc:
+                raise AssertionError(f"{head}\n  local call at {coord} raised "
+                                     f"{type(exc).__name__}: {exc}") from exc
+            per_rank[coord] = _outputs_of(op, result)
+    finally:
+        torch.default_generator.set_state(saved)
     if call is not None and call.target != op.target:
         head += f"\n  local form: {call.target} ({call.note})"
 
-    for o, (v, d) in enumerate(zip(op.outputs, decision.outputs)):
+    for o, (v, d) in enumerate(zip(op.outputs, outputs)):
         if d is None:
             continue
         want = case.outputs[o]
@@ -304,7 +328,9 @@ def _rule_or_skip(target: str):
         pytest.skip(SKIPPED[target])
     rule = lookup(CASES[target][0].op)
     if rule is None:
-        pytest.skip(f"no SPMD rule for {target} (listed by test_every_op_has_a_rule)")
+        where = "a model op: test_every_op_has_a_rule fails" if target in MODEL_TARGETS \
+            else "only a synthetic local-form case uses it"
+        pytest.skip(f"no SPMD rule for {target} ({where})")
     return rule
 
 
@@ -316,7 +342,7 @@ def test_forward_property(target):
     _rule_or_skip(target)
     cases = CASES[target]
 
-    @SETTINGS
+    @settings_for(target)
     @given(data=st.data())
     def run(data):
         case = cases[data.draw(st.integers(0, len(cases) - 1), label="case")]
@@ -336,7 +362,7 @@ def test_reverse_property(target):
     if not cases:
         pytest.skip(f"{target} has no tensor inputs: nothing to infer backwards")
 
-    @SETTINGS
+    @settings_for(target)
     @given(data=st.data())
     def run(data):
         case = cases[data.draw(st.integers(0, len(cases) - 1), label="case")]
@@ -369,3 +395,133 @@ def test_collection_covers_the_models():
     assert {"fwd", "bwd", "opt"} <= roles
     assert "optim.adam" in CASES and "aten.bernoulli_.float" in CASES
     assert "aten.embedding_dense_backward.default" in CASES
+
+
+# ----------------------------------------------------------------------------------------
+# the local forms on their own: hand-picked placements that need them, whatever the rules
+# decide (uneven shards and nested mesh dims on purpose)
+# ----------------------------------------------------------------------------------------
+def _case(target: str, model: str | None = None, where=lambda case: True) -> OpCase:
+    found = [c for c in CASES.get(target, []) if (model is None or c.model == model)
+             and where(c)]
+    assert found, f"no collected case of {target} (model {model})"
+    return found[0]
+
+
+def _syn(target: str, *args, **kwargs) -> Callable[[], OpCase]:
+    return lambda: synthetic(target, *args, **kwargs)
+
+
+def _real(target: str, model: str | None = None, where=lambda case: True) -> Callable[[], OpCase]:
+    return lambda: _case(target, model, where)
+
+
+def _x(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+_IDS = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(3))
+
+# (id, case, mesh shape, needs, outputs) -- placements as text, one string per tensor
+LOCAL_FORM_CASES = [
+    ("view", _syn("aten.view.default", _x(4, 6, 5), [24, 5]), (2,), ["S(0)"], ["S(0)"]),
+    ("view-nested", _syn("aten.view.default", _x(4, 6, 5), [4, 30]), (2, 3),
+     ["S(0),S(1)"], ["S(0),S(1)"]),
+    ("unsafe_view", _syn("aten._unsafe_view.default", _x(6, 4), [3, 2, 4]), (3,), ["S(0)"],
+     ["S(0)"]),
+    ("reshape-partial", _syn("aten.view.default", _x(6, 4), [24]), (2,), ["P(sum)"],
+     ["P(sum)"]),
+    ("reshape-alias", _syn("aten._reshape_alias.default", _x(4, 6), [4, 2, 3], [6, 3, 1]),
+     (2,), ["S(0)"], ["S(0)"]),
+    ("reshape", _syn("aten.reshape.default", _x(6, 4), [6, 2, 2]), (3,), ["S(0)"], ["S(0)"]),
+    ("expand-minus-one", _syn("aten.expand.default", _x(3, 1), [-1, 5]), (2,), ["S(0)"],
+     ["S(0)"]),
+    ("new-full", _syn("aten.new_full.default", _x(2), [5, 3], 1.5), (3,), ["R"], ["S(0)"]),
+    ("new-ones", _syn("aten.new_ones.default", _x(2), [5, 3]), (2,), ["R"], ["S(1)"]),
+    ("select-backward", _syn("aten.select_backward.default", _x(4, 5), [4, 3, 5], 1, 2),
+     (3,), ["S(0)"], ["S(0)"]),
+    ("expand", _syn("aten.expand.default", _x(3, 1, 4), [3, 5, 4]), (2, 2), ["S(0),S(2)"],
+     ["S(0),S(2)"]),
+    ("new_zeros", _syn("aten.new_zeros.default", _x(2, 2), [5, 7]), (2, 2), ["R,R"],
+     ["S(1),S(0)"]),
+    ("zeros", _syn("aten.zeros.default", [7, 3]), (3,), [], ["S(0)"]),
+    ("empty", _syn("aten.empty.memory_format", [5, 2]), (2, 2), [], ["S(0),S(1)"]),
+    ("ones", _real("aten.ones.default"), (2, 3), [], ["S(1),S(0)"]),
+    ("full", _real("aten.full.default"), (4,), [], ["S(0)"]),
+    ("arange", _real("aten.arange.default"), (3,), [], ["S(0)"]),
+    ("arange-step-nested", _real("aten.arange.start_step"), (2, 2), [], ["S(0),S(0)"]),
+    ("arange-float", _real("aten.arange.start"), (4,), [], ["S(0)"]),
+    ("tril", _real("aten.tril.default", "gpt"), (2, 3), ["S(0),S(1)"], ["S(0),S(1)"]),
+    ("tril-batched", _real("aten.tril.default", "synthetic"), (2, 2), ["S(2),S(1)"],
+     ["S(2),S(1)"]),
+    ("triu", _real("aten.triu.default"), (3, 2), ["S(1),S(0)"], ["S(1),S(0)"]),
+    ("mean-dim-sum", _syn("aten.mean.dim", _x(6, 5, 4), [0, 2], True), (4,), ["S(0)"],
+     ["P(sum)"]),
+    ("mean-dim-avg-uneven", _syn("aten.mean.dim", _x(6, 5, 4), [0]), (4,), ["S(0)"],
+     ["P(avg)"]),
+    ("mean-dim-mixed", _syn("aten.mean.dim", _x(6, 5, 4), [0, 2]), (2, 3),
+     ["S(0),S(2)"], ["P(sum),P(avg)"]),
+    ("mean-dim-kept", _syn("aten.mean.dim", _x(6, 5, 4), [-1], True), (2,), ["S(1)"],
+     ["S(1)"]),
+    ("mean-dim-rmsnorm", _real("aten.mean.dim", "hf-llama-eager"), (3,), ["S(2)"],
+     ["P(sum)"]),
+    ("mean-all", _syn("aten.mean.default", _x(6, 5)), (2, 3), ["S(1),S(0)"],
+     ["P(sum),P(sum)"]),
+    ("mse-loss-sum", _real("aten.mse_loss.default"), (2,), ["S(0)", "S(0)"], ["P(sum)"]),
+    ("mse-loss-avg", _real("aten.mse_loss.default"), (2,), ["S(0)", "S(0)"], ["P(avg)"]),
+    ("mse-loss-backward", _real("aten.mse_loss_backward.default", "mlp"), (2, 2),
+     ["R,R", "S(0),S(1)", "S(0),S(1)"], ["S(0),S(1)"]),
+    ("embedding-vocab", _real("aten.embedding.default", "gpt",
+                              lambda c: c.op.args[0].type.shape[0] == 30), (4,),
+     ["S(0)", "R"], ["P(sum)"]),
+    ("embedding-vocab-nested", _syn("aten.embedding.default", _x(11, 4), _IDS), (2, 3),
+     ["S(0),S(0)", "R,R"], ["P(sum),P(sum)"]),
+    ("embedding-vocab-and-batch", _syn("aten.embedding.default", _x(11, 4), _IDS), (2, 2),
+     ["S(0),R", "R,S(0)"], ["P(sum),S(0)"]),
+    ("embedding-backward-vocab", _syn("aten.embedding_dense_backward.default", _x(3, 5, 4),
+                                      _IDS, 11, 2, True), (4,), ["R", "R"], ["S(0)"]),
+    ("embedding-backward-vocab-batch", _syn("aten.embedding_dense_backward.default",
+                                            _x(3, 5, 4), _IDS, 11, -1, False), (2, 3),
+     ["S(0),R", "S(0),R"], ["P(sum),S(0)"]),
+    ("embedding-backward-model", _real("aten.embedding_dense_backward.default", "gpt",
+                                       lambda c: c.op.outputs[0].type.shape[0] == 30), (3,),
+     ["R", "R"], ["S(0)"]),
+    ("bernoulli", _real("aten.bernoulli_.float", "gpt"), (2, 3), ["S(0),S(3)"],
+     ["S(0),S(3)"]),
+    ("bernoulli-nested", _real("aten.bernoulli_.float"), (2, 2),
+     ["S(1),S(1)"], ["S(1),S(1)"]),
+    ("native-dropout", _real("aten.native_dropout.default"), (3,), ["S(0)"],
+     ["S(0)", "S(0)"]),
+    ("rand-like", _real("aten.rand_like.default"), (2, 2), ["S(1),S(2)"], ["S(1),S(2)"]),
+    ("randn", _real("aten.randn.default"), (3,), [], ["S(0)"]),
+    ("slice-backward", _real("aten.slice_backward.default"), (3,),
+     ["S(0)"], ["S(0)"]),
+    ("flash-empty-heads", _real("aten._scaled_dot_product_flash_attention_for_cpu.default",
+                                "gpt-sdpa-nodrop"), (3,), ["S(1)"] * 3, ["S(1)", "S(1)"]),
+    ("flash-backward-empty-heads",
+     _real("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+           "gpt-sdpa-nodrop"), (4,), ["S(1)"] * 6, ["S(1)"] * 3),
+]
+
+
+@pytest.mark.parametrize("make,shape,needs,outputs", [c[1:] for c in LOCAL_FORM_CASES],
+                         ids=[c[0] for c in LOCAL_FORM_CASES])
+def test_local_form(make, shape, needs, outputs):
+    case = make()
+    mesh = ProcessMesh(torch.arange(math.prod(shape)).reshape(shape).tolist())
+    to_dist = lambda t: DistAttr(mesh, parse_placements(t))  # noqa: E731
+    outs = tuple(to_dist(t) for t in outputs) + (None,) * (len(case.op.outputs) - len(outputs))
+    check_decision(case, mesh, tuple(to_dist(t) for t in needs), outs, seed=0,
+                   head=f"local form: {case.describe()}\n  mesh {mesh}")
+
+
+def test_random_op_without_local_form_refuses_sharded_output():
+    from autopar.spmd.local_forms import UnsupportedLocalForm
+    # bernoulli.default draws with the probabilities of its input: no global draw of the
+    # whole tensor can be made from a piece of them
+    case = synthetic("aten.bernoulli.default", torch.rand(4, 2))
+    mesh = ProcessMesh([0, 1])
+    ctx = LocalContext(mesh, (0,), (DistAttr(mesh, (Shard(0),)),),
+                       (DistAttr(mesh, (Shard(0),)),))
+    with pytest.raises(UnsupportedLocalForm, match="bernoulli"):
+        local_call(case.op, ctx)

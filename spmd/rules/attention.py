@@ -47,8 +47,12 @@ def _fit(shape: tuple[int, ...], role: str, sizes: dict[str, int]) -> str:
 
 
 class AttentionRule:
-    def spec(self, op: Op) -> tuple[Spec, frozenset[int]]:
-        """The spec over all outputs but the aux ones (lettered None), and the aux indices."""
+    def spec(self, op: Op) -> Spec:
+        """The spec; aux outputs are lettered None, as if they were not tensors."""
+        return self.spec_and_aux(op)[0]
+
+    def spec_and_aux(self, op: Op) -> tuple[Spec, frozenset[int]]:
+        """The spec, and the indices of the aux outputs."""
         a = schema_args(op)
         B, H, L, E = a["query"].type.shape
         _, G, S, _ = a["key"].type.shape
@@ -86,7 +90,7 @@ class AttentionRule:
 
     def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh
                 ) -> Decision:
-        spec, aux = self.spec(op)
+        spec, aux = self.spec_and_aux(op)
         ins, outs = self._types(op, aux)
         d = infer_forward(spec, mesh, ins, outs, in_dists, describe(op))
         outputs = tuple(DistAttr.replicated(mesh) if i in aux else o
@@ -95,7 +99,7 @@ class AttentionRule:
 
     def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
                 ) -> tuple[DistAttr, ...]:
-        spec, aux = self.spec(op)
+        spec, aux = self.spec_and_aux(op)
         ins, outs = self._types(op, aux)
         hints = [None if i in aux else h for i, h in enumerate(out_hints)]
         return infer_reverse(spec, mesh, ins, outs, hints, describe(op))

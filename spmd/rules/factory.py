@@ -1,9 +1,13 @@
 """Tensor factories. Ops with no tensor input (arange, zeros, full, ...) are born replicated:
 the engine has nothing to follow. ``*_like`` ops take their input's shape and so follow its
-shards; zeros_like is also linear (zeros sum to zeros), the others are not."""
+shards and ignore its values."""
 from __future__ import annotations
 
+from typing import Sequence
+
 from ...ir.core import Op
+from ...ir.dist import DistAttr, ProcessMesh, Replicate, Shard
+from ..einsum import Decision, MeshDimChoice, Option
 from ..registry import output_types, register
 from ..spec import Spec, letters
 from .pointwise import elementwise
@@ -16,14 +20,31 @@ def factory(op: Op) -> Spec:
     return Spec((), tuple(None if t is None else letters(len(t.shape)) for t in output_types(op)))
 
 
-@register("aten.empty_like.default", "aten.ones_like.default", "aten.full_like.default")
-def like(op: Op) -> Spec:
-    return elementwise(op)
+class ShapeOnly:
+    """``*_like``: only the input's local shape matters, never its values. The output takes
+    the input's shards; a Partial input is used as it is (its local piece has the right
+    shape) and the output, made from scratch on every rank, is Replicate. So the seed
+    gradient ``ones_like(loss)`` costs no all-reduce of the loss."""
+
+    def _follow(self, placements, mesh: ProcessMesh) -> DistAttr:
+        return DistAttr(mesh, tuple(p if isinstance(p, Shard) else Replicate()
+                                    for p in placements))
+
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh
+                ) -> Decision:
+        need = in_dists[0] or DistAttr.replicated(mesh)
+        choices = tuple(MeshDimChoice(m, Option("follow", "input shape"), 0.0, ())
+                        for m in range(mesh.ndim))
+        return Decision((need,), (self._follow(need.placements, mesh),), choices)
+
+    def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
+                ) -> tuple[DistAttr, ...]:
+        hint = out_hints[0] or DistAttr.replicated(mesh)
+        return (self._follow(hint.placements, mesh),)
 
 
-@register("aten.zeros_like.default")
-def zeros_like(op: Op) -> Spec:
-    return elementwise(op, linear="sum")
+register("aten.empty_like.default", "aten.ones_like.default", "aten.zeros_like.default",
+         "aten.full_like.default")(ShapeOnly())
 
 
 @register("aten.lift_fresh_copy.default")

@@ -1,14 +1,14 @@
-"""Negative log-likelihood: each row reads one class entry, so the class letter stays whole
+"""Losses. Negative log-likelihood: each row reads one class entry, so the class letter stays whole
 and the batch letter shards. How the batch letter combines follows ``reduction``:
 none keeps it in the output, sum makes both the loss and total_weight Partial(sum), mean
 (a weighted mean; a pass rewrites it into sum + div before completion) needs it whole.
-Inputs may be 1-D (one sample, no batch letter)."""
+Inputs may be 1-D (one sample, no batch letter). Mean squared error: see below."""
 from __future__ import annotations
 
 from ...ir.core import Op
 from ..registry import register
-from ..spec import Spec
-from .pointwise import input_letters, schema_args
+from ..spec import Spec, letters
+from .pointwise import broadcast_letters, input_letters, schema_args
 
 NONE, MEAN, SUM = 0, 1, 2
 
@@ -41,3 +41,30 @@ def nll_loss_backward(op: Op) -> Spec:
     ins = input_letters(op, {"grad_output": grad, "self": b + c, "target": b, "weight": c,
                              "total_weight": ""})
     return Spec(ins, (b + c,), replicated={c}, linear="each", linear_inputs={0})
+
+
+# mse_loss(self, target, reduction): elementwise squared errors, then none/sum/mean over all
+# of them. Every letter shards: a sum of pieces is Partial(sum), and the mean's local form
+# divides the local sum by the global count (and the backward scales by the global numel).
+def _mse_letters(op: Op) -> tuple[str, str]:
+    """(self's letters, target's)."""
+    a = schema_args(op)
+    self_shape = a["self"].type.shape
+    full = letters(len(self_shape))
+    return full, broadcast_letters(a["target"].type.shape, full, self_shape)
+
+
+@register("aten.mse_loss.default")
+def mse_loss(op: Op) -> Spec:
+    full, target = _mse_letters(op)
+    out = full if schema_args(op)["reduction"] == NONE else ""
+    return Spec(input_letters(op, {"self": full, "target": target}), (out,), reduce="sum")
+
+
+@register("aten.mse_loss_backward.default")
+def mse_loss_backward(op: Op) -> Spec:
+    # 2 * (self - target) * grad [/ numel]: linear in grad_output.
+    full, target = _mse_letters(op)
+    grad = full if schema_args(op)["reduction"] == NONE else ""
+    ins = input_letters(op, {"grad_output": grad, "self": full, "target": target})
+    return Spec(ins, (full,), linear="each", linear_inputs={0})

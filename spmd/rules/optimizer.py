@@ -4,14 +4,14 @@ where data parallelism's all-reduce comes from); scalar states (Adam's step) are
 ZeRO (later) changes what the parameter's state placement is, not this rule."""
 from __future__ import annotations
 
-from ...ir.dist import DistAttr, ProcessMesh
+from ...ir.dist import DistAttr, ProcessMesh, Replicate
 from ..einsum import Decision, MeshDimChoice, Option
 from ..registry import register, tensor_inputs
 
 
 class FollowParam:
     def _like_param(self, op, param_dist: DistAttr | None, mesh: ProcessMesh, values):
-        param_dist = param_dist or DistAttr.replicated(mesh)
+        param_dist = _without_partials(param_dist or DistAttr.replicated(mesh))
         shape = op.args[0].type.shape
         return tuple(param_dist if v.type.shape == shape else DistAttr.replicated(mesh)
                      for v in values)
@@ -25,6 +25,12 @@ class FollowParam:
 
     def reverse(self, op, out_hints, mesh):
         return self._like_param(op, out_hints[0], mesh, tensor_inputs(op))
+
+
+def _without_partials(dist: DistAttr) -> DistAttr:
+    """An update is not linear: a Partial parameter is reduced before it is updated."""
+    return DistAttr(dist.mesh, tuple(Replicate() if p.is_partial() else p
+                                     for p in dist.placements))
 
 
 register("optim.sgd", "optim.adam")(FollowParam())

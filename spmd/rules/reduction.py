@@ -36,22 +36,15 @@ def reduction(op: Op, dim, keepdim: bool, reduce: str | None, linear: str = "non
 
 @register("aten.sum.dim_IntList", "aten.mean.dim")
 def sum_dim(op: Op) -> Spec:
-    # mean.dim's local form divides the local sum by the global count, so P(sum) is exact.
+    # A mean's local form divides the local sum by the global count, so P(sum) is exact.
     a = schema_args(op)
     return reduction(op, a["dim"], a["keepdim"], "sum",
                      linear="sum" if same_dtype(op) else "none")
 
 
-@register("aten.sum.default")
+@register("aten.sum.default", "aten.mean.default")
 def sum_all(op: Op) -> Spec:
     return reduction(op, None, False, "sum", linear="sum" if same_dtype(op) else "none")
-
-
-@register("aten.mean.default")
-def mean_all(op: Op) -> Spec:
-    # No local form rescales mean.default: a mean of local means is not the mean, so its
-    # letters stay whole. It is linear, so a Partial input still passes.
-    return reduction(op, None, False, None, linear="sum" if same_dtype(op) else "none")
 
 
 @register("aten.amax.default", "aten.max.default")
