@@ -10,6 +10,7 @@ imports torch's tracing machinery); medians are printed, and the 48/24-layer rat
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 import warnings
@@ -65,10 +66,14 @@ def trace_seconds(layers: int) -> float:
         loss = lm_loss(out, x)
         return [loss, *torch.autograd.grad(loss, values)]
 
-    start = time.perf_counter()
-    make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
-        [p.detach().requires_grad_() for p in params], ids)
-    return time.perf_counter() - start
+    gc.disable()          # as the engine does while planning: same conditions for both
+    try:
+        start = time.perf_counter()
+        make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+            [p.detach().requires_grad_() for p in params], ids)
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
 def main(repeats: int = 3) -> dict[int, float]:

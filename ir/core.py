@@ -138,9 +138,15 @@ class Op:
 
     @property
     def inputs(self) -> list[Value]:
+        # Cached against the identity of args/kwargs: passes replace them (map_inputs, or
+        # assigning new ones), they never edit them in place. Passes ask this a lot.
+        cached = self.__dict__.get("_inputs")
+        if cached is not None and cached[0] is self.args and cached[1] is self.kwargs:
+            return list(cached[2])
         found: list[Value] = []
         _collect_values(self.args, found)
         _collect_values(self.kwargs, found)
+        self.__dict__["_inputs"] = (self.args, self.kwargs, tuple(found))
         return found
 
     @property

@@ -82,7 +82,8 @@ class _Completion:
         for op in reversed(self.program.ops):
             if op.kind in (OpKind.INPUT, OpKind.STATE):
                 self._place_start(op.outputs[0])
-            elif op in pending:
+            elif op in pending and all(v.dist is None for v in self.ins[op]):
+                # an op with a placed input asked for the rest itself, in the forward sweep
                 hints = [self.requests.get(v, (None, None))[0] for v in op.outputs]
                 if any(h is not None for h in hints):
                     rule = lookup(op)
