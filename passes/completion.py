@@ -44,6 +44,8 @@ class _Completion:
         self.pending = [op for op in program.ops if op.kind is OpKind.CALL]
         self.position = {op: i for i, op in enumerate(program.ops)}
         self.ins = {op: tensor_inputs(op) for op in self.pending}
+        # placements values are already being moved to, for their earlier consumers
+        self.moved: dict[Value, set[DistAttr]] = {}
         self.warned: set[str] = set()
 
     def run(self) -> None:
@@ -103,7 +105,8 @@ class _Completion:
     def _decide(self, op: Op, dists: list[DistAttr | None]) -> Decision:
         rule = lookup(op)
         if rule is not None:
-            return rule.forward(op, dists, self.mesh)
+            available = [self.moved.get(v, ()) for v in self.ins[op]]
+            return rule.forward(op, dists, self.mesh, available)
         self._missing_rule(op)
         replicated = DistAttr.replicated(self.mesh)
         fallback = tuple(MeshDimChoice(m, Option("no rule", "replicated"), 0.0, ())
@@ -126,6 +129,9 @@ class _Completion:
 
     def _commit(self, op: Op, ins: list[Value], decision: Decision) -> None:
         op.needs = decision.needs
+        for v, need in zip(ins, decision.needs):
+            if need != v.dist:
+                self.moved.setdefault(v, set()).add(need)
         has_rule = lookup(op) is not None
         for v, dist in zip(op.outputs, decision.outputs):
             if v.is_tensor and v.dist is None:   # a pinned output (annotate) keeps its why

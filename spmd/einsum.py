@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
@@ -161,11 +161,14 @@ class _Inference:
 
 def infer_forward(spec: Spec, mesh: ProcessMesh, in_types: Sequence[TensorType],
                   out_types: Sequence[TensorType | None],
-                  in_dists: Sequence[DistAttr | None], what: str = "op") -> Decision:
+                  in_dists: Sequence[DistAttr | None], what: str = "op",
+                  available: Sequence[Collection[DistAttr]] | None = None) -> Decision:
     """Placements for the outputs, and those the inputs need, from the inputs' placements
-    (``None``: no placement yet, follows for free)."""
+    (``None``: no placement yet, follows for free). ``available``: per input, placements
+    it is already being moved to for another consumer, which this op may reuse for free."""
     check_spec(spec, in_types, out_types, what)
     inf = _Inference(spec, mesh, in_types, out_types)
+    inf.available = available or [()] * len(in_types)
     choices = []
     for m in range(mesh.ndim):
         inf._m = m
@@ -177,7 +180,8 @@ def infer_forward(spec: Spec, mesh: ProcessMesh, in_types: Sequence[TensorType],
 
 
 def _options(inf: _Inference, m: int, in_dists) -> list[Option]:
-    """Candidates in tie-break order: keep a shard, then a partial, then replicate."""
+    """Candidates in tie-break order: keep a shard, then replicate, then a partial (on a
+    tie a partial only defers a reduction)."""
     options: list[Option] = []
     for i, d in enumerate(in_dists):
         if d is None:
@@ -190,20 +194,22 @@ def _options(inf: _Inference, m: int, in_dists) -> list[Option]:
         elif isinstance(p, Partial) and inf.spec.is_linear_input(i) and p.op in inf.spec.partial_ops:
             options.append(Option("partial", p.op))
     options.append(REPLICATE)
-    rank = {"shard": 0, "partial": 1, "replicate": 2}
+    rank = {"shard": 0, "replicate": 1, "partial": 2}
     return sorted(dict.fromkeys(options), key=lambda o: rank[o.kind])
 
 
 def _price(inf: _Inference, option: Option, m: int, in_dists) -> float:
-    """Bytes the inputs move to agree with ``option`` on mesh dim ``m``. Only
-    communication is priced; ties go to the earlier option (keep a shard, then a partial),
-    so compute is not duplicated where moving data costs the same."""
+    """Bytes the inputs move to agree with ``option`` on mesh dim ``m`` (from wherever is
+    cheapest: the value's own placement or one it is already moved to). Only
+    communication is priced; ties go to the earlier option, so compute is not duplicated
+    where moving data costs the same."""
     n = inf.mesh.shape[m]
     total = 0.0
     for i, d in enumerate(in_dists):
         if d is not None:
             want = inf.required(option, i, in_dists)
-            total += reshard_bytes(d.placements[m], want, inf.full_bytes(i, d, m), n)
+            total += min(reshard_bytes(src.placements[m], want, inf.full_bytes(i, d, m), n)
+                         for src in (d, *inf.available[i]))
     return total
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -20,8 +20,12 @@ from .spec import Spec
 
 
 class Rule(Protocol):
-    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh
-                ) -> Decision: ...
+    """``forward``: from the inputs' placements (None: not placed yet), the placement each
+    input needs and each output gets. ``available`` lists, per input, placements the value
+    is already being moved to for other consumers (reusing one costs nothing)."""
+
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
+                available: Sequence[Collection[DistAttr]] | None = None) -> Decision: ...
 
     def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
                 ) -> tuple[DistAttr, ...]: ...
@@ -49,9 +53,9 @@ class EinsumRule:
     def spec(self, op: Op) -> Spec:
         return self.spec_of(op)
 
-    def forward(self, op, in_dists, mesh) -> Decision:
+    def forward(self, op, in_dists, mesh, available=None) -> Decision:
         return infer_forward(self.spec_of(op), mesh, [v.type for v in tensor_inputs(op)],
-                             output_types(op), in_dists, describe(op))
+                             output_types(op), in_dists, describe(op), available)
 
     def reverse(self, op, out_hints, mesh) -> tuple[DistAttr, ...]:
         return infer_reverse(self.spec_of(op), mesh, [v.type for v in tensor_inputs(op)],

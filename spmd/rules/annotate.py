@@ -8,7 +8,7 @@ from ..registry import register
 
 
 class Pinned:
-    def forward(self, op, in_dists, mesh) -> Decision:
+    def forward(self, op, in_dists, mesh, available=None) -> Decision:
         dist = op.attrs["dist"]
         choices = tuple(MeshDimChoice(m, Option("annotation", "shard_tensor"), 0.0, ())
                         for m in range(mesh.ndim))

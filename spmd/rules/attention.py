@@ -88,11 +88,11 @@ class AttentionRule:
         outs = [None if i in aux or not v.is_tensor else v.type for i, v in enumerate(op.outputs)]
         return [v.type for v in tensor_inputs(op)], outs
 
-    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh
-                ) -> Decision:
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
+                available=None) -> Decision:
         spec, aux = self.spec_and_aux(op)
         ins, outs = self._types(op, aux)
-        d = infer_forward(spec, mesh, ins, outs, in_dists, describe(op))
+        d = infer_forward(spec, mesh, ins, outs, in_dists, describe(op), available)
         outputs = tuple(DistAttr.replicated(mesh) if i in aux else o
                         for i, o in enumerate(d.outputs))
         return Decision(d.needs, outputs, d.choices)

@@ -30,8 +30,8 @@ class ShapeOnly:
         return DistAttr(mesh, tuple(p if isinstance(p, Shard) else Replicate()
                                     for p in placements))
 
-    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh
-                ) -> Decision:
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
+                available=None) -> Decision:
         need = in_dists[0] or DistAttr.replicated(mesh)
         choices = tuple(MeshDimChoice(m, Option("follow", "input shape"), 0.0, ())
                         for m in range(mesh.ndim))

@@ -63,10 +63,11 @@ class AffineProduct:
         return Decision((DistAttr(mesh, placements), *decision.needs[1:]), decision.outputs,
                         decision.choices)
 
-    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh
-                ) -> Decision:
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
+                available=None) -> Decision:
         ins, outs = self._types(op)
-        decision = infer_forward(self.spec(op), mesh, ins, outs, in_dists, describe(op))
+        decision = infer_forward(self.spec(op), mesh, ins, outs, in_dists, describe(op),
+                                 available)
         return self._bias_partial(decision, mesh)
 
     def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh

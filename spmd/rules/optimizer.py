@@ -16,7 +16,7 @@ class FollowParam:
         return tuple(param_dist if v.type.shape == shape else DistAttr.replicated(mesh)
                      for v in values)
 
-    def forward(self, op, in_dists, mesh) -> Decision:
+    def forward(self, op, in_dists, mesh, available=None) -> Decision:
         needs = self._like_param(op, in_dists[0], mesh, tensor_inputs(op))
         outputs = self._like_param(op, in_dists[0], mesh, op.outputs)
         choices = tuple(MeshDimChoice(m, Option("follow", "parameter"), 0.0, ())
