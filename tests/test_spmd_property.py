@@ -1,5 +1,5 @@
 """The SPMD property: for each rule, on random meshes and placements, running the local op
-(its local form, spmd/local_forms.py) on the pieces the rule assigns and reassembling each
+(its local form, spmd/local_forms/) on the pieces the rule assigns and reassembling each
 output by the placement the rule gives it (cat shards, reduce partials) equals the global op.
 
 Ops and their global inputs are real: every op of the joint training programs (forward,

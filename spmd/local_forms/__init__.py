@@ -1,0 +1,38 @@
+"""Local forms: how one rank runs an op whose operands are sharded, when the call differs
+from the global one.
+
+Most ops run unchanged on local pieces (a matmul of shards is a shard of the matmul). The
+exceptions carry something global in their non-tensor arguments or in what they compute:
+
+* a shape argument (``view``, ``expand``, ``zeros`` ...) names the global shape;
+* ``arange`` and ``tril``/``triu`` depend on where the piece sits in the global tensor;
+* ``mean`` divides by the number of elements, which is global;
+* a vocab-sharded ``embedding`` holds only some rows, so other ids give 0 (a *masked*
+  ``Partial(sum)``), and its backward scatters only into the rows the rank holds;
+* random ops must give every rank its slice of one global random tensor, or a sharded run
+  would not equal the single-device run (a random op with a sharded output and no form
+  raises ``UnsupportedLocalForm`` rather than run wrong);
+* a few kernels crash on the empty pieces uneven shards leave (CPU flash attention).
+
+A local form is a pure function ``(op, ctx) -> LocalCall | None`` that rewrites the call:
+a target (an ATen overload, or a small ``autopar.*`` kernel registered here) and arguments
+that still hold the op's input Values, which at run time are the rank's local tensors. The
+partition pass applies it to every op of a rank's program; ``run_local`` executes it on
+concrete local tensors (for tests and the simulator). ``None`` means "call unchanged".
+
+Every form reads placements from ``ctx``: ``needs`` (what each tensor input holds, in
+``op.inputs`` order, the rule's decision) and ``outputs`` (what each output holds).
+"""
+from .context import LocalCall, LocalContext, UnsupportedLocalForm
+from .registry import LOCAL_FORMS, LocalForm, local_call, register_local_form, run_local
+
+# the family modules, one per op family (like spmd/rules/): importing them fills
+# LOCAL_FORMS and registers their ``autopar.*`` kernels, in this order
+from . import shapes, reductions, embedding, random, guards  # noqa: F401
+from .embedding import vocab_embedding, vocab_embedding_backward  # noqa: F401
+from .guards import empty_outputs  # noqa: F401
+from .random import sliced_native_dropout, sliced_random  # noqa: F401
+from .shapes import SHAPE_ARGS  # noqa: F401
+
+__all__ = ["LocalCall", "LocalContext", "LocalForm", "LOCAL_FORMS", "register_local_form",
+           "local_call", "run_local", "UnsupportedLocalForm"]

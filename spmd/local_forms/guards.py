@@ -1,0 +1,41 @@
+"""Guards for kernels that crash on the empty pieces uneven shards leave."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ...ir.core import Op
+from ...runtime.kernels import kernel
+from .context import LocalCall, LocalContext, UnsupportedLocalForm
+from .registry import _draws_random, register_local_form
+
+
+# ----------------------------------------------------------------------------------------
+# kernels that crash on empty pieces (uneven shards leave trailing ranks empty)
+# ----------------------------------------------------------------------------------------
+@kernel("autopar.empty_outputs")
+def empty_outputs(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]):
+    """The op's outputs when every one of them is empty on this rank."""
+    return tuple(torch.empty(tuple(s), dtype=d) for s, d in zip(shapes, dtypes))
+
+
+# The CPU flash-attention kernels divide by the head count: an empty piece kills the process.
+_EMPTY_UNSAFE = (
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+)
+
+
+@register_local_form(*_EMPTY_UNSAFE)
+def _empty_guard(op: Op, ctx: LocalContext) -> LocalCall | None:
+    if _draws_random(op) and any(ctx.out_sharded(i) for i in range(len(op.outputs))):
+        raise UnsupportedLocalForm(f"{op.target} with dropout and sharded outputs: its "
+                                   "dropout mask cannot be sliced from a global one")
+    shapes = [ctx.out_shape(op, i) for i in range(len(op.outputs))]
+    if not all(math.prod(s) == 0 for s in shapes):
+        return None
+    return LocalCall("autopar.empty_outputs", ([list(s) for s in shapes],
+                                               [v.type.dtype for v in op.outputs]), {},
+                     "every output is empty on this rank")

@@ -1,0 +1,96 @@
+"""Shape-carrying ops (the shape argument is global) and position-dependent ones
+(``arange``, ``tril``/``triu``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...ir.core import Op
+from .context import LocalCall, LocalContext
+from .registry import register_local_form
+
+
+def _replace(seq: tuple, index: int, value: Any) -> tuple:
+    return seq[:index] + (value,) + seq[index + 1:]
+
+
+# ----------------------------------------------------------------------------------------
+# shape-carrying ops: the shape argument becomes the rank's local output shape
+# ----------------------------------------------------------------------------------------
+# target -> (position of the shape argument, its keyword name)
+SHAPE_ARGS: dict[str, tuple[int, str]] = {
+    "aten.view.default": (1, "size"),
+    "aten._unsafe_view.default": (1, "size"),
+    "aten.reshape.default": (1, "shape"),
+    "aten._reshape_alias.default": (1, "size"),
+    "aten.expand.default": (1, "size"),
+    "aten.new_zeros.default": (1, "size"),
+    "aten.new_ones.default": (1, "size"),
+    "aten.new_empty.default": (1, "size"),
+    "aten.new_full.default": (1, "size"),
+    "aten.zeros.default": (0, "size"),
+    "aten.ones.default": (0, "size"),
+    "aten.empty.memory_format": (0, "size"),
+    "aten.full.default": (0, "size"),
+    "aten.slice_backward.default": (1, "input_sizes"),
+    "aten.select_backward.default": (1, "input_sizes"),
+}
+
+
+@register_local_form(*SHAPE_ARGS)
+def _shape_arg(op: Op, ctx: LocalContext) -> LocalCall | None:
+    """A shape argument is the global output shape; a rank makes its piece's shape. Only
+    sharded outputs change (a Partial's terms have the global shape)."""
+    if not ctx.out_sharded(0):
+        return None
+    pos, name = SHAPE_ARGS[op.target]
+    local = list(ctx.out_shape(op, 0))
+    if op.target == "aten._reshape_alias.default":
+        # its stride argument is global too: a fresh local view is contiguous
+        return LocalCall("aten.view.default", (op.args[0], local), {},
+                         "reshape to the local shape")
+    if name in op.kwargs:
+        return LocalCall(op.target, op.args, {**op.kwargs, name: local}, "local shape")
+    return LocalCall(op.target, _replace(tuple(op.args), pos, local), dict(op.kwargs),
+                     "local shape")
+
+
+# ----------------------------------------------------------------------------------------
+# position-dependent ops
+# ----------------------------------------------------------------------------------------
+_ARANGE = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
+
+
+@register_local_form(*_ARANGE)
+def _arange(op: Op, ctx: LocalContext) -> LocalCall | None:
+    """A sharded range is the range of the piece: ``start + offset*step`` on."""
+    if not ctx.out_sharded(0):
+        return None
+    args = tuple(op.args)
+    if op.target == "aten.arange.default":
+        start, step = 0, 1
+    else:
+        start = args[0]
+        step = args[2] if op.target == "aten.arange.start_step" and len(args) > 2 \
+            else op.kwargs.get("step", 1)
+    (size,), (offset,) = ctx.out_offsets(op, 0)
+    kwargs = {k: v for k, v in op.kwargs.items() if k not in ("start", "end", "step")}
+    if "dtype" not in kwargs:
+        # the global call infers its dtype from all of start/end/step; keep it
+        kwargs["dtype"] = op.outputs[0].type.dtype
+    return LocalCall("aten.arange.start_step",
+                     (start + offset * step, start + (offset + size) * step, step), kwargs,
+                     f"local range from offset {offset}")
+
+
+@register_local_form("aten.tril.default", "aten.triu.default")
+def _tril(op: Op, ctx: LocalContext) -> LocalCall | None:
+    """The diagonal is global: a piece at (row r0, col c0) keeps ``j - i <= k + r0 - c0``."""
+    if not ctx.out_sharded(0):
+        return None
+    _, offset = ctx.out_offsets(op, 0)
+    row, col = offset[-2], offset[-1]
+    if row == col:
+        return None
+    diagonal = op.args[1] if len(op.args) > 1 else op.kwargs.get("diagonal", 0)
+    return LocalCall(op.target, (op.args[0], diagonal + row - col), {},
+                     f"diagonal shifted by {row - col}")
