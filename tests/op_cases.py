@@ -24,6 +24,7 @@ from autopar.passes.decompose_loss import decompose_loss
 from autopar.passes.manager import PassManager
 from autopar.runtime import optim_kernels  # noqa: F401  (registers optim.* kernels)
 from autopar.runtime.kernels import resolve
+from autopar.spmd.local_forms.registry import is_random
 from autopar.strategy import Strategy
 
 import models_zoo as zoo
@@ -51,15 +52,6 @@ class OpCase:
         types = ", ".join(str(v.type) for v in self.op.inputs)
         return f"{self.op.target}({types}) in {self.model}:{self.op.module or '-'} " \
                f"[{self.op.role.value}]"
-
-
-def is_random(target: str) -> bool:
-    if not target.startswith("aten."):
-        return False
-    try:
-        return torch.Tag.nondeterministic_seeded in resolve(target).tags
-    except KeyError:
-        return False
 
 
 # ----------------------------------------------------------------------------------------

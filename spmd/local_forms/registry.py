@@ -48,7 +48,8 @@ def run_local(op: Op, ctx: LocalContext, values: Mapping[Value, Any]) -> Any:
     return resolve(call.target)(*args, **kwargs)
 
 
-def _is_random(target: str) -> bool:
+def is_random(target: str) -> bool:
+    """Whether an ATen op draws from the RNG (its ``nondeterministic_seeded`` tag)."""
     if not target.startswith("aten."):
         return False
     try:
@@ -60,7 +61,7 @@ def _is_random(target: str) -> bool:
 def _draws_random(op: Op) -> bool:
     """Whether the op consumes the generator: tagged random, unless its only randomness is
     a dropout probability that is 0 (attention kernels with ``dropout_p=0``)."""
-    if not _is_random(op.target):
+    if not is_random(op.target):
         return False
     try:
         schema = resolve(op.target)._schema
