@@ -39,13 +39,15 @@ Metric = Callable[[Any, Any], float]
 
 @dataclass
 class Plan:
-    """One planned program: what it computes, how to feed it, and its executor."""
+    """One planned program: what it computes, how to feed it, and (once it first runs)
+    its executor: planning alone allocates nothing, so a plan for a model too big for
+    this machine can still be made and inspected."""
 
     spec: StepSpec
     program: Program
-    executor: Executor
     pass_timings: dict[str, float]
     mesh: ProcessMesh | None      # None: serial
+    executor: Executor | None = None
 
 
 class Engine:
@@ -103,6 +105,9 @@ class Engine:
                 "needs the partition and reshard passes, which are not built yet; "
                 "engine.prepare(...) plans it and engine.explain(...) shows the placements")
         self.strategy.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+        if plan.executor is None:
+            self._init_optimizer_state(plan.program)
+            plan.executor = Executor(plan.program, self.state)
         return plan
 
     def _plan(self, mode: str, inputs: Any, labels: Any) -> Plan:
@@ -120,9 +125,7 @@ class Engine:
                           param_annotations=self._param_annotations())
         manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
         program = manager.run(captured.program, ctx)
-        self._init_optimizer_state(program)
-        return Plan(captured.spec, program, Executor(program, self.state),
-                    dict(manager.timings), ctx.mesh)
+        return Plan(captured.spec, program, dict(manager.timings), ctx.mesh)
 
     def _param_annotations(self) -> dict:
         found = {name: param_annotation(p) for name, p in self.model.named_parameters()}

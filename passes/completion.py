@@ -22,6 +22,21 @@ from .context import PassContext
 from .explain import Reason
 
 
+def _signature(a):
+    """Hashable form of op arguments: values by their type, containers as tuples."""
+    if isinstance(a, Value):
+        return a.type
+    if isinstance(a, (tuple, list)):
+        return tuple(_signature(x) for x in a)
+    if isinstance(a, dict):
+        return tuple((k, _signature(x)) for k, x in a.items())
+    try:
+        hash(a)
+        return a
+    except TypeError:
+        return repr(a)
+
+
 class MissingRuleError(NotImplementedError):
     """An op has no SPMD rule and ``debug.strict_rules`` is on."""
 
@@ -46,6 +61,7 @@ class _Completion:
         self.ins = {op: tensor_inputs(op) for op in self.pending}
         # placements values are already being moved to, for their earlier consumers
         self.moved: dict[Value, set[DistAttr]] = {}
+        self.decided: dict[tuple, Decision] = {}
         self.warned: set[str] = set()
 
     def run(self) -> None:
@@ -105,8 +121,14 @@ class _Completion:
     def _decide(self, op: Op, dists: list[DistAttr | None]) -> Decision:
         rule = lookup(op)
         if rule is not None:
-            available = [self.moved.get(v, ()) for v in self.ins[op]]
-            return rule.forward(op, dists, self.mesh, available)
+            available = [frozenset(self.moved.get(v, ())) for v in self.ins[op]]
+            # A rule sees only the op's arguments, types and placements: the 24 identical
+            # layers of a model ask the same question 24 times; answer it once.
+            key = (op.target, _signature(op.args), _signature(op.kwargs),
+                   tuple(v.type for v in op.outputs), tuple(dists), tuple(available))
+            if key not in self.decided:
+                self.decided[key] = rule.forward(op, dists, self.mesh, available)
+            return self.decided[key]
         self._missing_rule(op)
         replicated = DistAttr.replicated(self.mesh)
         fallback = tuple(MeshDimChoice(m, Option("no rule", "replicated"), 0.0, ())
