@@ -8,7 +8,7 @@ dumps and stops the script. No launcher, no processes: a 64-rank mesh plans on a
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ..strategy import Strategy

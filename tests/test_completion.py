@@ -3,7 +3,6 @@ data_parallel) in, a placement on every value out, with the communication the pl
 imply and an explanation for each choice."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 
 import autopar as ap
 from autopar.ir import OpKind, Role
-from autopar.ir.dist import DistAttr, Partial, Replicate, Shard
+from autopar.ir.dist import Partial, Replicate, Shard
 from autopar.passes.annotate import AnnotationError
 from autopar.passes.completion import MissingRuleError, MissingRuleWarning
 from autopar.passes.explain import planned_moves
@@ -129,6 +128,12 @@ def test_every_value_is_placed_for_gpt_on_a_2d_mesh_and_plan_dims_follow_graph_u
     assert tp("blocks.0.fc1.weight") == Shard(0) and tp("blocks.0.fc2.weight") == Shard(1)
     assert tp("wte.weight") == Shard(0) and tp("blocks.0.fc2.bias") == Replicate()
     assert all(p.dist.placements[0] == Replicate() for p in params.values())
+    # backward agrees with forward: every gradient lies as its parameter does, or is a
+    # partial of it (reduced, never re-cut, before the update)
+    for op in program.ops:
+        if op.kind is OpKind.CALL and op.role is Role.OPTIMIZER:
+            for want, got in zip(op.args[0].dist.placements, op.args[1].dist.placements):
+                assert got == want or isinstance(got, Partial), (op.module, want, got)
 
 
 def test_hf_conv1d_weights_stored_transposed_get_the_right_plan_dims():
@@ -190,7 +195,6 @@ def test_a_conflict_picks_the_cheaper_reshard():
     big, small = mm.args
     assert mm.needs[0] == big.dist                               # the big one stays sharded
     assert mm.needs[1].placements == (Replicate(),)              # the small one is gathered
-    choice = small.producer.outputs[0].why                       # explained on the result
     assert "over" in mm.result.why.describe({}, ("tp",))
 
 

@@ -21,7 +21,7 @@ from ...ir.dist import DistAttr, ProcessMesh
 from ..einsum import Decision, infer_forward, infer_reverse
 from ..registry import describe, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec
-from .pointwise import broadcast_letters, input_letters, is_tensor, schema_args
+from .common import broadcast_letters, input_letters, is_tensor, schema_args
 
 AUX = "aux"     # an output that is replicated whatever the inputs' placements
 MASK = "mask"   # lettered by broadcasting against bhls

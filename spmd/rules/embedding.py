@@ -7,7 +7,7 @@ from __future__ import annotations
 from ...ir.core import Op
 from ..registry import register
 from ..spec import Spec, letters
-from .pointwise import input_letters, schema_args
+from .common import input_letters, schema_args
 
 
 @register("aten.embedding.default")

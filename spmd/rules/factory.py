@@ -10,7 +10,7 @@ from ...ir.dist import DistAttr, ProcessMesh, Replicate, Shard
 from ..einsum import Decision, MeshDimChoice, Option
 from ..registry import output_types, register
 from ..spec import Spec, letters
-from .pointwise import elementwise
+from .common import elementwise
 
 
 @register("aten.arange.default", "aten.arange.start", "aten.arange.start_step",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ...ir.core import Op
 from ..registry import register
 from ..spec import Spec, letters
-from .pointwise import broadcast_letters, input_letters, schema_args
+from .common import broadcast_letters, input_letters, schema_args
 
 NONE, MEAN, SUM = 0, 1, 2
 

@@ -16,7 +16,7 @@ from ...ir.dist import DistAttr, Partial, ProcessMesh
 from ..einsum import Decision, infer_forward, infer_reverse
 from ..registry import describe, output_types, register, tensor_inputs
 from ..spec import Spec
-from .pointwise import broadcast_letters, input_letters
+from .common import broadcast_letters, input_letters
 
 
 @register("aten.mm.default")

@@ -2,91 +2,13 @@
 dim under a larger one is the unshardable ``1``). Any ATen op tagged pointwise without an
 entry gets the nonlinear spec through ``POINTWISE_FALLBACK``; the entries here are the ops
 through which Partial inputs pass exactly.
-
-Also the small helpers the other rule modules share: schema-named arguments and lettering
-inputs in ``op.inputs`` order.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any, Iterable, Mapping
-
-import torch
-
-from ...ir.core import Op, Value
-from ..registry import POINTWISE_FALLBACK, EinsumRule, output_types, register, tensor_inputs
-from ..spec import UNSHARDABLE, Spec, letters, pointwise_letters
-
-# -- helpers shared by the rule modules ------------------------------------------------
-
-
-@lru_cache(maxsize=None)
-def _schema(target: str) -> torch.FunctionSchema:
-    _, _, rest = target.partition(".")
-    name, _, overload = rest.rpartition(".")
-    return getattr(getattr(torch.ops.aten, name), overload)._schema
-
-
-def _named(op: Op) -> list[tuple[str, Any]]:
-    """(schema name, argument) for what the op was called with, in ``op.inputs`` order."""
-    positional = [a.name for a in _schema(op.target).arguments if not a.kwarg_only]
-    return list(zip(positional, op.args)) + list(op.kwargs.items())
-
-
-def schema_args(op: Op) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in (ATen targets only)."""
-    given = dict(_named(op))
-    return {a.name: given[a.name] if a.name in given
-            else a.default_value if a.has_default_value() else None
-            for a in _schema(op.target).arguments}
-
-
-def is_tensor(x: Any) -> bool:
-    return isinstance(x, Value) and x.is_tensor
-
-
-def shape(x: Value) -> tuple[int, ...]:
-    return x.type.shape
-
-
-def input_letters(op: Op, by_name: Mapping[str, str]) -> tuple[str, ...]:
-    """Letters of the tensor inputs in ``op.inputs`` order, given per schema argument name
-    (a name may hold a list of tensors only if it is not lettered)."""
-    result = []
-    for name, arg in _named(op):
-        if is_tensor(arg):
-            result.append(by_name[name])
-    if len(result) != len(tensor_inputs(op)):
-        raise ValueError(f"{op.target}: cannot letter tensor inputs nested in lists")
-    return tuple(result)
-
-
-def broadcast_letters(shape_: tuple[int, ...], target: str, target_shape: tuple[int, ...]
-                      ) -> str:
-    """Letters of a tensor broadcast right-aligned against ``target_shape`` lettered
-    ``target`` (a size-1 dim under a larger one is unshardable)."""
-    offset = len(target_shape) - len(shape_)
-    return "".join(UNSHARDABLE if n == 1 and target_shape[offset + i] != 1 else target[offset + i]
-                   for i, n in enumerate(shape_))
-
-
-def elementwise(op: Op, linear: str = "none", linear_inputs: Iterable[int] | None = None,
-                **flags) -> Spec:
-    """The pointwise spec of ``op``: outputs lettered ``abc..``, inputs right-aligned."""
-    outs = output_types(op)
-    out_shape = next(t.shape for t in outs if t is not None)
-    ins = pointwise_letters([shape(v) for v in tensor_inputs(op)], out_shape)
-    return Spec(tuple(ins), tuple(None if t is None else letters(len(t.shape)) for t in outs),
-                linear=linear, linear_inputs=linear_inputs, **flags)
-
-
-def same_dtype(op: Op, index: int = 0) -> bool:
-    """Whether the op keeps the dtype of tensor input ``index`` (a cast rounds, so a sum of
-    cast terms is not the cast of the sum)."""
-    return tensor_inputs(op)[index].type.dtype == op.outputs[0].type.dtype
-
-
-# -- rules ---------------------------------------------------------------------------------
+from ...ir.core import Op
+from ..registry import POINTWISE_FALLBACK, EinsumRule, register, tensor_inputs
+from ..spec import Spec
+from .common import elementwise, same_dtype, schema_args
 
 # Nonlinear elementwise ops (gelu, exp, le, bitwise_not, ...): partial inputs are reduced first.
 POINTWISE_FALLBACK.append(EinsumRule(lambda op: elementwise(op)))

@@ -10,7 +10,7 @@ from typing import Iterable
 from ...ir.core import Op
 from ..registry import register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
-from .pointwise import same_dtype, schema_args
+from .common import same_dtype, schema_args
 
 
 def reduced_dims(rank: int, dim: int | Iterable[int] | None) -> set[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...ir.core import Op
 from ..registry import register, tensor_inputs
 from ..spec import Spec, letters
-from .pointwise import schema_args
+from .common import schema_args
 
 
 def _row_spec(op: Op, linear: str = "none") -> Spec:
