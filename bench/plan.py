@@ -4,8 +4,8 @@ verified between passes as by default).
 
 The torch-native baseline measured in the same run is what torch alone needs to trace the
 same step: ``make_fx`` over ``functional_call`` + ``autograd.grad`` on fake tensors. Each
-size is planned ``repeats`` times after a warm-up plan (the first trace in a process also
-imports torch's tracing machinery); medians are printed, and the 48/24-layer ratio.
+size is planned ``repeats`` times, interleaved, after a warm-up plan (the first trace in a
+process also imports torch's tracing machinery); medians are printed, and the 48/24 ratios.
 """
 from __future__ import annotations
 
@@ -76,25 +76,32 @@ def trace_seconds(layers: int) -> float:
         gc.enable()
 
 
-def main(repeats: int = 3) -> dict[int, float]:
+def main(repeats: int = 5) -> dict[int, float]:
     cold, _, _ = plan_seconds(1)
     print(f"cold start (first plan in the process, 1 layer): {cold:.2f} s")
+    sizes = (24, 48)
+    runs: dict[int, list] = {n: [] for n in sizes}
+    traces: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):     # interleaved, so machine noise hits every size alike
+        for n in sizes:
+            runs[n].append(plan_seconds(n))
+            traces[n].append(trace_seconds(n))
     medians = {}
-    for layers in (24, 48):
-        runs = [plan_seconds(layers) for _ in range(repeats)]
-        torch_runs = [trace_seconds(layers) for _ in range(repeats)]
-        seconds = statistics.median(r[0] for r in runs)
-        baseline = statistics.median(torch_runs)
-        passes = sum(runs[0][2].values())
-        medians[layers] = seconds
-        print(f"{layers} layers: plan {seconds:.2f} s ({runs[0][1]} ops; passes {passes:.2f} s, "
-              f"completion {runs[0][2]['completion']:.2f} s) | torch make_fx trace alone "
-              f"{baseline:.2f} s | ratio plan/trace {seconds / baseline:.2f}")
-    print(f"48 / 24 layers: {medians[48] / medians[24]:.2f}x")
+    for n in sizes:
+        seconds = statistics.median(r[0] for r in runs[n])
+        baseline = statistics.median(traces[n])
+        timings = runs[n][-1][2]
+        medians[n] = seconds
+        print(f"{n} layers: plan {seconds:.2f} s ({runs[n][0][1]} ops; passes "
+              f"{sum(timings.values()):.2f} s, completion {timings['completion']:.2f} s) | "
+              f"torch make_fx trace alone {baseline:.2f} s | ratio plan/trace "
+              f"{seconds / baseline:.2f}")
+    print(f"48 / 24 layers: plan {medians[48] / medians[24]:.2f}x "
+          f"(torch trace alone {statistics.median(traces[48]) / statistics.median(traces[24]):.2f}x)")
     return medians
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     main(parser.parse_args().repeats)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.printer import value_names
+from ..spmd import lookup
 from ..spmd.cost import collective, reshard_bytes
 from ..spmd.einsum import MeshDimChoice
 
@@ -23,6 +24,9 @@ class Reason:
 
     def describe(self, names: dict[Value, str], mesh_dims: tuple[str, ...]) -> str:
         text = self.text
+        rule = lookup(self.op) if self.kind == "rule" and self.op is not None else None
+        if hasattr(rule, "spec"):   # name the letters the choices below refer to
+            text += f" [{rule.spec(self.op)}]"
         if self.sources:
             text += " from " + ", ".join(f"{names.get(v, '?')} {_placements(v)}"
                                          for v in self.sources)

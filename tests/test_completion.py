@@ -293,3 +293,22 @@ def test_cli_plans_an_unmodified_script_and_explains(capsys, tmp_path):
 def test_serial_programs_are_not_placed():
     _, program = _plan(MegatronMLP())
     assert all(v.dist is None for op in program.ops for v in op.outputs)
+
+
+def test_an_annotated_model_still_runs_as_plain_torch_and_on_a_one_rank_mesh():
+    from .parity import assert_same_losses, eager_train, regression_data, twin
+    one = ap.ProcessMesh([0], dim_names=["tp"])
+
+    class Annotated(MegatronMLP):
+        def forward(self, x):
+            return self.fc2(ap.shard_tensor(F.gelu(self.fc1(x)), one, [Shard(1)]))
+
+    torch.manual_seed(0)
+    model = Annotated()
+    reference = twin(model)
+    data = regression_data(16, 16, 16)
+    ref_losses = eager_train(reference, _mse, torch.optim.SGD(reference.parameters(), lr=0.1),
+                             data, batch_size=4, steps=4)
+    engine = ap.Engine(model, _mse, torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = engine.fit(data, batch_size=4, verbose=0)["loss"]
+    assert_same_losses(losses, ref_losses)
