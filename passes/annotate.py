@@ -42,7 +42,15 @@ def annotate(program: Program, ctx: PassContext) -> Program:
     return program
 
 
+def _trivial_dims_replicated(dist: DistAttr) -> DistAttr:
+    """On a mesh dim of one rank every placement is the whole value: say R, so nothing
+    downstream plans a no-op move."""
+    return DistAttr(dist.mesh, tuple(Replicate() if n == 1 else p
+                                     for p, n in zip(dist.placements, dist.mesh.shape)))
+
+
 def _pin(value: Value, dist: DistAttr, why: Reason) -> None:
+    dist = _trivial_dims_replicated(dist)
     if value.dist is not None and value.dist != dist:
         raise AnnotationError(f"{why.text} places a value at {dist}, but it is already "
                               f"placed at {value.dist} by {value.why.text}")
@@ -55,7 +63,8 @@ def _lower_traced_annotations(program: Program) -> list[Op]:
     found = []
     for op in program.ops:
         if op.kind is OpKind.CALL and op.target == ANNOTATE_TARGET:
-            op.target, op.attrs["dist"] = "autopar.annotate", decode(op.args[1])
+            op.target = "autopar.annotate"
+            op.attrs["dist"] = _trivial_dims_replicated(decode(op.args[1]))
             op.args = op.args[:1]
             found.append(op)
     return found
@@ -174,6 +183,5 @@ def _apply_data_parallel(program: Program, ctx: PassContext) -> None:
         value = op.outputs[0]
         if value.is_tensor and op.attrs["name"].startswith("batch/") and value.type.shape:
             if value.dist is None:
-                dist = DistAttr.replicated(ctx.mesh).with_placement(axis, Shard(0))
-                value.dist = dist
-                value.why = Reason("data_parallel", f"data_parallel.axis {dp.axis}: batch dim 0")
+                _pin(value, DistAttr.replicated(ctx.mesh).with_placement(axis, Shard(0)),
+                     Reason("data_parallel", f"data_parallel.axis {dp.axis}: batch dim 0"))

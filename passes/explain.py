@@ -126,12 +126,32 @@ def _find(program: Program, names: dict[Value, str], what: str) -> Value:
                    f"like 'loss' or 'grad[<param>]', or a parameter/input name")
 
 
-def planned_moves(program: Program) -> list[tuple[Op, Value, str, str, float]]:
-    """Every place reshard will act: (first consumer, value, mesh dim name, collective,
-    bytes a rank sends), from each op's needs against its inputs' placements. A value
-    wanted in one placement by several consumers moves once."""
+@dataclass(frozen=True)
+class Move:
+    """One step of communication: for which consumer (role, module, op), which value, over
+    which mesh dim, by which collective, and the bytes one rank sends."""
+
+    role: str
+    module: str
+    consumer: str
+    value: Value
+    axis: str
+    kind: str
+    sent: float
+
+
+def planned_moves(program: Program) -> list[Move]:
+    """The communication of a placed program: its ``comm`` ops once reshard has run, and
+    any needs not yet met (before reshard: what completion implies, one step per differing
+    mesh dim). A value wanted in one placement by several consumers moves once."""
     moves, seen = [], set()
     for op in program.ops:
+        if op.kind is OpKind.COMM:
+            step, v = op.attrs["_step"], op.args[0]
+            moves.append(Move(op.attrs["_for"], op.module, op.attrs["_for_op"], v, step.axis,
+                              step.kind, step.cost(v.type.shape, v.dist.mesh,
+                                                   v.dist.placements, v.type.dtype.itemsize)))
+            continue
         for v, need in zip((v for v in op.inputs if v.is_tensor), op.needs):
             if need is None or v.dist is None or need == v.dist or (v, need) in seen:
                 continue
@@ -140,8 +160,9 @@ def planned_moves(program: Program) -> list[tuple[Op, Value, str, str, float]]:
             for m, (src, dst) in enumerate(zip(v.dist.placements, need.placements)):
                 if src != dst:
                     size = v.type.numel * v.type.dtype.itemsize
-                    moves.append((op, v, mesh.dim_names[m], collective(src, dst),
-                                  reshard_bytes(src, dst, size, mesh.shape[m])))
+                    moves.append(Move(op.role.value, op.module, op.target, v, mesh.dim_names[m],
+                                      collective(src, dst),
+                                      reshard_bytes(src, dst, size, mesh.shape[m])))
     return moves
 
 
@@ -160,8 +181,8 @@ def summarize(program: Program, mesh) -> str:
     lines = [f"mesh: {mesh if mesh is not None else 'none (serial)'}",
              f"ops: {len(program.ops)}; values: " + ", ".join(f"{n} {k}" for k, n in kinds.items())]
     groups: dict[tuple[str, str, str], list[float]] = {}
-    for op, _, dim, kind, sent in planned_moves(program):
-        groups.setdefault((kind, dim, op.role.value), []).append(sent)
+    for move in planned_moves(program):
+        groups.setdefault((move.kind, move.axis, move.role), []).append(move.sent)
     if groups:
         lines.append("communication the placements need (per rank, per step):")
         for (kind, dim, role), sizes in sorted(groups.items()):

@@ -17,6 +17,7 @@ from .decompose_loss import decompose_loss
 from .explain import format_explanations
 from .fold_noops import fold_noops
 from .lower_optimizer import lower_optimizer
+from .reshard import reshard
 
 PassFn = Callable[[Program, PassContext], Program]
 
@@ -28,7 +29,7 @@ class Pass:
     explains: bool = False   # dump why each value has its placement, next to the program
 
 
-# The pipeline, in order. Later issues add partition, reshard, pipeline here.
+# The pipeline, in order. Later issues add partition and pipeline scheduling here.
 PIPELINE: tuple[Pass, ...] = (
     Pass("decompose_loss", decompose_loss),
     Pass("fold_noops", fold_noops),
@@ -37,6 +38,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("lower_optimizer", lower_optimizer),
     Pass("annotate", annotate),
     Pass("completion", completion, explains=True),
+    Pass("reshard", reshard),
 )
 
 

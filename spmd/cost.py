@@ -32,7 +32,7 @@ def collective(src: Placement, dst: Placement) -> str:
         return "all_gather+partial"        # S -> P goes through R
     if isinstance(dst, Shard):
         return "slice"
-    return "partial"                       # R -> P: keep on one rank, zeros elsewhere
+    return "make_partial"                  # R -> P: keep on one rank, zeros elsewhere
 
 
 def reshard_bytes(src: Placement | None, dst: Placement, full_bytes: float, n: int) -> float:
@@ -52,7 +52,7 @@ def reshard_bytes(src: Placement | None, dst: Placement, full_bytes: float, n: i
         "all_to_all": ring / n,
         "all_gather+partial": ring,
         "slice": SLICE_WEIGHT * full_bytes / n,
-        "partial": 0.0,
+        "make_partial": 0.0,
     }[kind]
 
 

@@ -49,8 +49,15 @@ def _placements(v):
     return tuple(v.dist.placements)
 
 
+def _before_reshard(v):
+    """The value as its producer made it, before the comm ops reshard inserted."""
+    while v.producer.kind is OpKind.COMM:
+        v = v.producer.args[0]
+    return v
+
+
 def _moves(program, role=None):
-    return [m for m in planned_moves(program) if role is None or m[0].role is role]
+    return [m for m in planned_moves(program) if role is None or m.role == role.value]
 
 
 def test_megatron_mlp_from_shard_tensor_needs_no_communication_between_the_matmuls():
@@ -62,12 +69,11 @@ def test_megatron_mlp_from_shard_tensor_needs_no_communication_between_the_matmu
     first, second = _by_target(program, "aten.addmm.default")
     assert _placements(first.result) == (Shard(1),)
     assert _placements(second.result) == (Partial("sum"),)
-    # forward: the only communication is reducing the row-parallel output for the loss
-    forward_moves = [(v.producer.target, kind) for _, v, _, kind, _ in _moves(program, Role.FORWARD)]
-    assert all(target != "aten.addmm.default" or v_kind != "all_gather"
-               for target, v_kind in forward_moves)
-    assert not any(op is second for op, *_ in _moves(program)
-                   if op.target == "aten.addmm.default" and _[2] == "all_gather")
+    # forward: nothing is sent into either matmul (the row-parallel bias only becomes a
+    # local partial term); the only forward communication reduces the output, for the loss
+    into_matmuls = [m for m in _moves(program, Role.FORWARD) if m.consumer == "aten.addmm.default"]
+    assert [(m.kind, m.sent) for m in into_matmuls] == [("make_partial", 0.0)]
+    assert {m.kind for m in _moves(program, Role.LOSS)} <= {"all_reduce"}
     gelu = _by_target(program, "aten.gelu.default")[0]
     assert gelu.needs == (gelu.args[0].dist,) and _placements(gelu.result) == (Shard(1),)
 
@@ -82,14 +88,14 @@ def test_megatron_backward_agrees_with_forward_and_sharded_grads_need_no_gather(
     for name, want in {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1),
                        "fc2.bias": Replicate()}.items():
         update = updates[name]
-        param, grad = update.args[0], update.args[1]
+        param, grad = update.args[0], _before_reshard(update.args[1])
         assert _placements(param) == (want,), name
         # the gradient arrives as the parameter is placed, or as a partial of it on tp
         if want != Replicate():
             assert _placements(grad) == (want,), (name, grad.dist)
     # backward of column-parallel fc1: the input gradient would be Partial (dx of fc1 is
     # not needed here: x needs no grad), and no all-gather happens in backward
-    assert not [m for m in _moves(program, Role.BACKWARD) if m[3] == "all_gather"]
+    assert not [m for m in _moves(program, Role.BACKWARD) if m.kind == "all_gather"]
     assert "tensor_parallel.plan 'fc1': colwise" in engine.explain("fc1.weight")
 
 
@@ -99,13 +105,14 @@ def test_data_parallel_makes_gradients_partial_sum_on_dp_and_the_optimizer_reduc
     engine, program = _plan(model, strategy)
     for op in program.ops:
         if op.kind is OpKind.CALL and op.role is Role.OPTIMIZER:
-            assert _placements(op.args[1]) == (Partial("sum"),)
+            assert _placements(_before_reshard(op.args[1])) == (Partial("sum"),)
+            assert _placements(op.args[1]) == (Replicate(),)       # reduced by reshard
             assert op.needs[1].placements == (Replicate(),)
-    opt_moves = {(kind, dim) for op, _, dim, kind, _ in _moves(program, Role.OPTIMIZER)}
+    opt_moves = {(m.kind, m.axis) for m in _moves(program, Role.OPTIMIZER)}
     assert opt_moves == {("all_reduce", "dp")}
     # the only other communication: the loss terms (sum and count) are scalars
-    others = [m for m in _moves(program) if m[0].role is not Role.OPTIMIZER]
-    assert all(m[1].type.numel == 1 for m in others), others
+    others = [m for m in _moves(program) if m.role != Role.OPTIMIZER.value]
+    assert all(m.value.type.numel == 1 for m in others), others
     why = engine.explain("grad[fc1.weight]")
     assert "P(sum)" in why.splitlines()[0] and "data_parallel.axis dp" in why
 
@@ -132,7 +139,8 @@ def test_every_value_is_placed_for_gpt_on_a_2d_mesh_and_plan_dims_follow_graph_u
     # partial of it (reduced, never re-cut, before the update)
     for op in program.ops:
         if op.kind is OpKind.CALL and op.role is Role.OPTIMIZER:
-            for want, got in zip(op.args[0].dist.placements, op.args[1].dist.placements):
+            grad = _before_reshard(op.args[1])
+            for want, got in zip(op.args[0].dist.placements, grad.dist.placements):
                 assert got == want or isinstance(got, Partial), (op.module, want, got)
 
 
@@ -169,8 +177,8 @@ def test_llama_swiglu_mlp_runs_column_then_row_without_gathering():
     down = [op for op in program.ops if op.module.endswith("down_proj") and op.role is Role.FORWARD
             and op.target == "aten.mm.default"][0]
     assert down.result.dist.placements == (Partial("sum"),)
-    mlp_moves = [m for m in _moves(program, Role.FORWARD) if ".mlp" in m[0].module]
-    assert not mlp_moves, [(m[0].target, m[3]) for m in mlp_moves]
+    mlp_moves = [m for m in _moves(program, Role.FORWARD) if ".mlp" in m.module]
+    assert not mlp_moves, [(m.consumer, m.kind) for m in mlp_moves]
 
 
 class _Conflict(nn.Module):
@@ -212,7 +220,8 @@ def test_annotations_are_never_overridden_and_reshard_is_planned_instead():
     engine, program = _plan(model)
     annotate = [op for op in program.ops if op.target == "autopar.annotate"][0]
     assert annotate.result.dist.placements == (Replicate(),)
-    assert annotate.args[0].dist.placements == (Shard(1),)
+    assert _before_reshard(annotate.args[0]).dist.placements == (Shard(1),)
+    assert annotate.args[0].producer.target == "comm.all_gather"
     assert annotate.needs[0].placements == (Replicate(),)
     assert program.states()[0].result.dist.placements == (Shard(0),)
     assert "shard_tensor in forward" in engine.explain(

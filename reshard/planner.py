@@ -1,0 +1,167 @@
+"""The reshard planner: which 1-D steps turn one DistAttr into another. Pure — no ops.
+
+An n-D change is a path through placement states (one placement per mesh dim); each edge
+is one catalogue step on one mesh dim, valid in that state. ``plan_reshard`` runs a
+shortest-path search over those states, weighted by ``spmd.cost`` bytes, so nested shards,
+partials and S(i)->S(j) all come out of one rule set instead of special cases.
+
+Validity of a step in a state (why each rule exists):
+
+* Shards of one tensor dim nest in mesh-dim order (later mesh dims cut the piece earlier
+  ones left). A step may only add or remove the *innermost* cut of a tensor dim: no later
+  mesh dim may shard that dim. So ``(S0,S0) -> (R,S0)`` gathers mesh dim 1, then 0, then
+  re-slices mesh dim 1.
+* Partials fold from the last mesh dim to the first. Reducing mesh dim d before an inner
+  partial e > d is only right when the two ops commute (equal ops, or both of sum/avg).
+* All-to-all is planned only when every piece splits evenly on both tensor dims: uneven
+  blocks have no exact equal-split all_to_all, so gather + slice is planned instead.
+  All-gather and reduce-scatter stay exact for uneven torch.chunk sizes by padding to
+  ``n * ceil(size / n)`` and trimming, so they need no such check.
+* New partials (R -> P) cost nothing and are valid anywhere: the extra terms are zeros
+  (sum) or copies (avg/max/min), which every reduction order folds back to the value.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from functools import lru_cache
+from typing import Sequence
+
+from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard, \
+    format_placements
+from .steps import (AllGather, AllReduce, AllToAll, ReduceScatter, Slice, Step,
+                    parent_shape, transition)
+
+__all__ = ["plan_reshard", "naive_plan", "plan_cost", "step_is_valid"]
+
+State = tuple[Placement, ...]
+_LINEAR_OPS = frozenset({"sum", "avg"})
+
+
+def _innermost(state: State, mesh_dim: int, tensor_dim: int) -> bool:
+    """True when no mesh dim after ``mesh_dim`` cuts ``tensor_dim``."""
+    return not any(p.is_shard(tensor_dim) for p in state[mesh_dim + 1:])
+
+
+def _reduction_commutes(state: State, mesh_dim: int) -> bool:
+    op = state[mesh_dim].op
+    return all(p.op == op or {p.op, op} <= _LINEAR_OPS
+               for p in state[mesh_dim + 1:] if isinstance(p, Partial))
+
+
+def _splits_evenly(shape: Sequence[int], mesh: ProcessMesh, state: State, mesh_dim: int,
+                   dims: Sequence[int]) -> bool:
+    """Every rank's piece before ``mesh_dim`` cuts it divides by the mesh dim's size on
+    each of ``dims`` (pieces differ only with the coordinates of the other mesh dims)."""
+    n = mesh.shape[mesh_dim]
+    others = [range(s) if i != mesh_dim else (0,) for i, s in enumerate(mesh.shape)]
+    return all(parent_shape(shape, mesh, state, mesh_dim, c)[t] % n == 0
+               for c in itertools.product(*others) for t in dims)
+
+
+def step_is_valid(step: Step, shape: Sequence[int], mesh: ProcessMesh,
+                  state: Sequence[Placement]) -> bool:
+    """Whether ``step`` is exact from placements ``state`` (see the module docstring)."""
+    state, d = tuple(state), step.mesh_dim
+    if state[d] != step.src:
+        return False
+    if isinstance(step, (AllReduce, ReduceScatter)) and not _reduction_commutes(state, d):
+        return False
+    if isinstance(step, (ReduceScatter, Slice, AllToAll)) and not _innermost(
+            state, d, step.dst.dim):
+        return False
+    if isinstance(step, (AllGather, AllToAll)) and not _innermost(state, d, step.src.dim):
+        return False
+    if isinstance(step, AllToAll):
+        return _splits_evenly(shape, mesh, state, d, (step.from_dim, step.to_dim))
+    return True
+
+
+def plan_cost(shape: Sequence[int], src: DistAttr, steps: Sequence[Step],
+              itemsize: int = 4) -> float:
+    """Total bytes of ``steps`` run from ``src`` (each step costed in its own state)."""
+    state, total = src.placements, 0.0
+    for step in steps:
+        total += step.cost(shape, src.mesh, state, itemsize)
+        state = step.advance(state)
+    return total
+
+
+def _check(shape: Sequence[int], src: DistAttr, dst: DistAttr) -> None:
+    if src.mesh != dst.mesh:
+        raise ValueError(f"reshard of shape {list(shape)} from {src} to {dst}: moving between "
+                         f"meshes ({src.mesh} -> {dst.mesh}) is not supported yet")
+    src.check(shape)
+    dst.check(shape)
+
+
+def naive_plan(shape: Sequence[int], src: DistAttr, dst: DistAttr) -> list[Step]:
+    """The baseline: reduce every partial and gather every shard (last mesh dim first, so
+    each step is innermost), then slice and add partials (first mesh dim first)."""
+    _check(shape, src, dst)
+    names, steps = src.mesh.dim_names, []
+    for d in reversed(range(src.mesh.ndim)):
+        step = transition(d, src.placements[d], Replicate(), names[d])
+        steps += [step] if step else []
+    for d in range(src.mesh.ndim):
+        step = transition(d, Replicate(), dst.placements[d], names[d])
+        steps += [step] if step else []
+    return steps
+
+
+def _candidates(shape: Sequence[int], src: DistAttr, dst: DistAttr) -> list[list[Placement]]:
+    """Placements each mesh dim may pass through: R, its src and dst, any shard (an
+    intermediate shard can make an all-to-all possible). Other partials never help."""
+    shards = [Shard(t) for t in range(len(shape))]
+    return [list(dict.fromkeys([Replicate(), s, t, *shards]))
+            for s, t in zip(src.placements, dst.placements)]
+
+
+def plan_reshard(shape: Sequence[int], src: DistAttr, dst: DistAttr,
+                 itemsize: int = 4) -> list[Step]:
+    """The cheapest valid step sequence from ``src`` to ``dst`` (fewest steps on ties).
+
+    Dijkstra over placement states; ``naive_plan`` is always one of the paths, so the
+    result never costs more than gathering everything and slicing again.
+    """
+    shape = tuple(shape)
+    _check(shape, src, dst)
+    mesh, goal = src.mesh, dst.placements
+    candidates = _candidates(shape, src, dst)
+
+    @lru_cache(maxsize=None)
+    def moves(state: State) -> list[tuple[float, Step]]:
+        out = []
+        for d, options in enumerate(candidates):
+            for target in options:
+                step = transition(d, state[d], target, mesh.dim_names[d])
+                if step is not None and step_is_valid(step, shape, mesh, state):
+                    out.append((step.cost(shape, mesh, state, itemsize), step))
+        return out
+
+    # Keys are (bytes rounded to 1e-6, steps): float noise must not beat a shorter plan.
+    best, back = {src.placements: (0.0, 0)}, {src.placements: None}
+    heap, tie = [(0.0, 0, 0, src.placements)], itertools.count(1)
+    while heap:
+        cost, n, _, state = heapq.heappop(heap)
+        if state == goal:
+            return _path(back, state)
+        if (cost, n) > best[state]:
+            continue
+        for step_cost, step in moves(state):
+            nxt, key = step.advance(state), (round(cost + step_cost, 6), n + 1)
+            if nxt not in best or key < best[nxt]:
+                best[nxt], back[nxt] = key, (state, step)
+                heapq.heappush(heap, (*key, next(tie), nxt))
+    raise RuntimeError(f"no reshard plan for shape {list(shape)} from "
+                         f"{format_placements(src.placements)} to "
+                         f"{format_placements(goal)} on {mesh}: naive_plan should exist")
+
+
+def _path(back: dict, state: State) -> list[Step]:
+    steps: list[Step] = []
+    while back[state] is not None:
+        state, step = back[state]
+        steps.append(step)
+    return steps[::-1]
+
