@@ -103,7 +103,8 @@ def _apply_plan(program: Program, ctx: PassContext, params: dict[str, Value]) ->
             modules = sorted({n.rpartition(".")[0] for n in params})
             raise AnnotationError(
                 f"tensor_parallel.plan entry {pattern!r} ({style}) matches no module with "
-                f"parameters; modules are: {', '.join(modules[:40])}")
+                f"parameters (a tied weight belongs to the module that registered it "
+                f"first); modules are: {', '.join(modules[:40])}")
         for name, value in matched.items():
             if value.dist is not None:
                 continue   # an explicit shard_tensor wins over the plan
