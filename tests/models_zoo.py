@@ -199,3 +199,18 @@ class OpaqueOutputNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> dict:
         return {"logits": self.fc(x), "cache": self.Cache()}
+
+
+class MegatronMLP(nn.Module):
+    """Two linears around a GELU: the Megatron column-then-row pair of the TP tests."""
+
+    def __init__(self, d: int = 16, hidden: int = 64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def mse(out, y):
+    return F.mse_loss(out, y)

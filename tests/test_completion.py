@@ -16,20 +16,12 @@ from autopar.passes.annotate import AnnotationError
 from autopar.passes.completion import MissingRuleError, MissingRuleWarning
 from autopar.passes.explain import planned_moves
 
+from .models_zoo import MegatronMLP, mse
+
 TP = ap.ProcessMesh([0, 1], dim_names=["tp"])
 
 
-class MegatronMLP(nn.Module):
-    def __init__(self, d: int = 16, hidden: int = 64):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-def _mse(out, y):
-    return F.mse_loss(out, y)
+_mse = mse
 
 
 def _plan(model, strategy=None, x=None, y=None, loss=_mse, optimizer=None):

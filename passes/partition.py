@@ -1,0 +1,72 @@
+"""Partition: the local program one rank runs, cut from the planned global program.
+
+After reshard every op reads exactly the placements it needs, so a rank's program is the
+global one with two changes and no new ops:
+
+* every tensor value's type becomes the shape of the piece this rank holds
+  (``local_shape`` of its global shape under its dist, at the rank's coordinate);
+* every CALL op makes the call its local form gives (``spmd.local_forms.local_call``):
+  shape arguments, global means, sharded embeddings, random slices... are rewritten to
+  act on local pieces. The op keeps its input and output Values.
+
+COMM ops keep their reshard step (``op.attrs["_step"]``): a runtime (the in-process
+simulator, later c10d) executes it as a collective across the ranks of its group.
+Ranks' programs have the same ops in the same order, so collectives line up.
+
+Local forms read the *global* types (offsets of a piece in the global tensor), so every
+call is rewritten first and types are localized afterwards. A program with no mesh
+(serial: no value has a dist) is returned unchanged.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..ir.core import OpKind, Program, TensorType
+from ..ir.dist import ProcessMesh, local_shape
+from ..spmd.local_forms import LocalContext, local_call
+
+__all__ = ["partition", "program_mesh"]
+
+
+def program_mesh(program: Program) -> ProcessMesh | None:
+    """The mesh of the program's placements (the first dist found); None when serial."""
+    for op in program.ops:
+        for v in op.outputs:
+            if v.is_tensor and v.dist is not None:
+                return v.dist.mesh
+    return None
+
+
+def partition(program: Program, coordinate: Sequence[int]) -> Program:
+    """The local program of the rank at ``coordinate`` of the program's mesh."""
+    mesh = program_mesh(program)
+    if mesh is None:
+        return program
+    coordinate = tuple(coordinate)
+    if len(coordinate) != mesh.ndim or not all(0 <= c < n for c, n in zip(coordinate, mesh.shape)):
+        raise ValueError(f"partition: coordinate {coordinate} is not on {mesh}")
+    local = program.copy()
+    # 1. rewrite calls while every type is still global
+    for op in local.ops:
+        if op.kind is not OpKind.CALL:
+            continue
+        call = local_call(op, LocalContext.of(op, mesh, coordinate))
+        if call.target != op.target or call.args is not op.args or call.kwargs != op.kwargs:
+            op.target, op.args, op.kwargs = call.target, tuple(call.args), dict(call.kwargs)
+            if call.note:
+                op.attrs["local_note"] = call.note
+    # 2. localize the types
+    for op in local.ops:
+        for v in op.outputs:
+            if not v.is_tensor:
+                continue
+            if v.dist is None:
+                raise ValueError(f"partition: {op.target} ({op.module or 'top level'}) has an "
+                                 "unplaced tensor result; run completion first")
+            if v.dist.mesh != mesh:
+                raise ValueError(f"partition: {op.target} is placed on {v.dist.mesh}, the "
+                                 f"program on {mesh}; one mesh per program is supported")
+            shape = local_shape(v.type.shape, mesh, v.dist.placements, coordinate)
+            if shape != tuple(v.type.shape):
+                v.type = TensorType(shape, v.type.dtype)
+    return local

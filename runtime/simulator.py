@@ -1,0 +1,117 @@
+"""In-process simulator: one step of a planned global program on every rank of its mesh.
+
+It checks a plan end to end without processes or a network: each rank's local program
+(``passes.partition``) runs on its own pieces, cut from the full feeds and state by the
+INPUT/STATE values' dists, and every communication op runs as the reference collective
+semantics (``reshard.simulate.apply_step``) over all ranks' pieces at once. The ranks'
+programs have the same ops in the same order, so they are interpreted in lockstep, op by
+op. Results and updated state are assembled back into full tensors, so a step can be
+compared with (and chained like) a single-device step.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..ir.core import OpKind, Program, Slot, StateKind, Value
+from ..ir.dist import assemble, shard_tensor_local
+from ..passes.partition import partition, program_mesh
+from ..reshard.simulate import apply_step
+from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
+from .kernels import resolve
+
+__all__ = ["simulate_step"]
+
+Coordinate = tuple[int, ...]
+
+
+def _initial(op, value: Value, feeds: dict[str, Any], state: dict[str, Any]) -> Any:
+    name = op.attrs["name"]
+    if op.kind is OpKind.INPUT:
+        if name not in feeds:
+            raise KeyError(f"simulate_step: no feed {name!r}")
+        return feeds[name]
+    if name in state:
+        return state[name]
+    if op.attrs["state"] is StateKind.CONST:
+        return op.attrs["_value"]
+    raise KeyError(f"simulate_step: no initial value for program state {name!r}")
+
+
+def _piece(full: Any, value: Value, coordinate: Coordinate) -> Any:
+    """The rank's piece of a full input/state; non-tensors (param_groups) as they are."""
+    if not isinstance(full, torch.Tensor) or not value.is_tensor or value.dist is None:
+        return full
+    return shard_tensor_local(full, value.dist.mesh, value.dist.placements, coordinate)
+
+
+def _call(op, env: dict[Value, Any]) -> list[Any]:
+    swap = lambda a: env[a] if isinstance(a, Value) else a  # noqa: E731
+    args, kwargs = pytree.tree_map(swap, (op.args, op.kwargs),
+                                   is_leaf=lambda a: isinstance(a, Value))
+    out = resolve(op.target)(*args, **kwargs)
+    if len(op.outputs) == 1 and not op.attrs.get("_multi"):
+        return [out]
+    out = list(out)
+    if len(out) != len(op.outputs):
+        raise ValueError(f"simulate_step: {op.target} returned {len(out)} values, the program "
+                         f"expects {len(op.outputs)}")
+    return out
+
+
+def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torch.Tensor]
+                  ) -> tuple[dict[Slot, Any], dict[str, torch.Tensor]]:
+    """Run one step of ``program`` (planned, global) on all ranks of its mesh.
+
+    ``feeds`` are the full ``batch/<i>`` tensors and ``param_groups/<i>`` dicts, ``state``
+    the full state tensors by name (never mutated). Returns the full results by slot
+    (update slots included) and the full new state: ``state`` with every updated entry
+    replaced by its assembled new value.
+    """
+    mesh = program_mesh(program)
+    coords: list[Coordinate] = list(mesh.coordinates()) if mesh is not None else [()]
+    locals_ = {c: partition(program, c) if mesh is not None else program for c in coords}
+    envs: dict[Coordinate, dict[Value, Any]] = {c: {} for c in coords}
+    n_ops = len(program.ops)
+    if any(len(p.ops) != n_ops for p in locals_.values()):
+        raise ValueError("simulate_step: rank programs differ in length")
+
+    with torch.no_grad():
+        for i in range(n_ops):
+            ops = {c: locals_[c].ops[i] for c in coords}
+            first = ops[coords[0]]
+            if first.kind is OpKind.OUTPUT:
+                break
+            if first.kind in (OpKind.INPUT, OpKind.STATE):
+                full = _initial(first, first.outputs[0], feeds, state)
+                if mesh is None and isinstance(full, torch.Tensor) and first.kind is OpKind.STATE:
+                    full = full.clone()   # kernels update state in place: keep the caller's
+                for c, op in ops.items():
+                    envs[c][op.outputs[0]] = _piece(full, op.outputs[0], c) if mesh else full
+            elif first.kind is OpKind.COMM:
+                step = first.attrs["_step"]
+                pieces = {c: envs[c][op.args[0]] for c, op in ops.items()}
+                moved = apply_step(pieces, mesh, step)
+                for c, op in ops.items():
+                    envs[c][op.outputs[0]] = moved[c]
+            elif first.kind is OpKind.CALL:
+                for c, op in ops.items():
+                    for v, x in zip(op.outputs, _call(op, envs[c])):
+                        envs[c][v] = x
+            else:
+                raise ValueError(f"simulate_step: unknown op kind {first.kind}")
+
+    results: dict[Slot, Any] = {}
+    for k, (slot, value) in enumerate(program.results()):
+        per_rank = {c: envs[c][locals_[c].output_op.args[k]] for c in coords}
+        if mesh is None:
+            results[slot] = per_rank[()]
+        elif isinstance(per_rank[coords[0]], torch.Tensor) and value.is_tensor:
+            results[slot] = assemble(per_rank, value.type.shape, mesh, value.dist.placements)
+        else:
+            results[slot] = per_rank[coords[0]]
+    new_state = dict(state)
+    new_state.update({s.name: v for s, v in results.items() if s.kind == "update"})
+    return results, new_state
