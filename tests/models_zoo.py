@@ -214,3 +214,20 @@ class MegatronMLP(nn.Module):
 
 def mse(out, y):
     return F.mse_loss(out, y)
+
+
+def hf_gpt2(attn: str, vocab: int, **config) -> nn.Module:
+    """A tiny Hugging Face GPT-2 built locally (no download); ``config`` overrides sizes."""
+    import transformers
+    sizes = dict(n_layer=2, n_embd=32, n_head=4, n_positions=32) | config
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, bos_token_id=0, eos_token_id=0, attn_implementation=attn, **sizes))
+
+
+def hf_llama(attn: str, vocab: int, **config) -> nn.Module:
+    """A tiny Hugging Face Llama (RMSNorm, rotary, SwiGLU, grouped-query attention)."""
+    import transformers
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64) | config
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, attn_implementation=attn, **sizes))

@@ -63,20 +63,12 @@ def _gpt(sdpa: bool, dropout: float) -> torch.nn.Module:
 
 
 def _hf_gpt2(attn: str) -> torch.nn.Module:
-    import transformers
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=12, n_head=2, vocab_size=VOCAB,
-                                  n_positions=16, bos_token_id=0, eos_token_id=0,
-                                  attn_implementation=attn)
-    return transformers.GPT2LMHeadModel(cfg)
+    return zoo.hf_gpt2(attn, VOCAB, n_layer=1, n_embd=12, n_head=2, n_positions=16)
 
 
 def _hf_llama(attn: str) -> torch.nn.Module:
-    import transformers
-    cfg = transformers.LlamaConfig(hidden_size=12, intermediate_size=20, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1,
-                                   vocab_size=VOCAB, max_position_embeddings=16,
-                                   attn_implementation=attn)
-    return transformers.LlamaForCausalLM(cfg)
+    return zoo.hf_llama(attn, VOCAB, hidden_size=12, intermediate_size=20, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
 
 
 def _flat_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.ir.core import Op, OpKind, TensorType, Value
+from autopar.ir.lower_fx import value_type
 from autopar.ir.dist import DistAttr, ProcessMesh, parse_placements
 from autopar.runtime.kernels import resolve
 from autopar.spmd import lookup
@@ -21,16 +22,16 @@ def T(*shape: int, dtype: torch.dtype = F32) -> TensorType:
 
 def make_op(target: str, *args, **kwargs) -> Op:
     """An IR call op of ``target``; TensorType arguments become Values. Output types come
-    from running the ATen overload on meta tensors."""
+    from running the ATen overload on meta tensors; outputs that are not tensors (None, an
+    int) stay in the op as non-tensor values, as lowering makes them."""
     to_value = lambda a: Value(a) if isinstance(a, TensorType) else a  # noqa: E731
     args, kwargs = pytree.tree_map(to_value, (args, kwargs))
     to_meta = lambda a: torch.empty(a.type.shape, dtype=a.type.dtype, device="meta") \
         if isinstance(a, Value) else a  # noqa: E731
     margs, mkwargs = pytree.tree_map(to_meta, (args, kwargs))
     out = resolve(target)(*margs, **mkwargs)
-    leaves = out if isinstance(out, (tuple, list)) else [out]
-    out_types = [TensorType(tuple(t.shape), t.dtype) for t in leaves]
-    return Op(OpKind.CALL, target, args, kwargs, [Value(t) for t in out_types])
+    leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+    return Op(OpKind.CALL, target, args, kwargs, [Value(value_type(t)) for t in leaves])
 
 
 def dist(mesh: ProcessMesh, text: str | None) -> DistAttr | None:

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
-from autopar.ir.core import Op, OpKind, TensorType, Value
-from autopar.ir.lower_fx import value_type
-from autopar.runtime.kernels import resolve
+from autopar.ir.core import Op, OpKind
 from autopar.spmd import lookup
 
 from .spmd_util import MESH1, MESH2, T, forward, make_op, reverse
@@ -24,17 +21,6 @@ R1, P1 = "R", "P(sum)"
 RR, PP = "R,R", "P(sum),P(sum)"
 
 
-def op_any(target: str, *args, **kwargs) -> Op:
-    """Like ``make_op``, but outputs that are not tensors (None, an int) stay in the op as
-    non-tensor values, as lowering makes them."""
-    to_value = lambda a: Value(a) if isinstance(a, TensorType) else a  # noqa: E731
-    args, kwargs = pytree.tree_map(to_value, (args, kwargs))
-    to_meta = lambda a: torch.empty(a.type.shape, dtype=a.type.dtype, device="meta") \
-        if isinstance(a, Value) else a  # noqa: E731
-    margs, mkwargs = pytree.tree_map(to_meta, (args, kwargs))
-    out = resolve(target)(*margs, **mkwargs)
-    leaves = list(out) if isinstance(out, (tuple, list)) else [out]
-    return Op(OpKind.CALL, target, args, kwargs, [Value(value_type(t)) for t in leaves])
 
 
 def ln_backward_grad_input_only() -> Op:
@@ -42,20 +28,20 @@ def ln_backward_grad_input_only() -> Op:
     grads are None, so lowering gives them non-tensor values."""
     x = (T(4, 8, 16), T(4, 8, 16), [16], T(4, 8, 1), T(4, 8, 1), T(16), T(16),
          [True, False, False])
-    return op_any(A + "native_layer_norm_backward.default", *x)
+    return make_op(A + "native_layer_norm_backward.default", *x)
 
 
 Q, K, V = T(4, 8, 16, 32), T(4, 8, 12, 32), T(4, 8, 12, 32)
-# CUDA-only kernels have meta implementations; op_any builds them on meta tensors.
-FLASH = op_any(SDPA + "flash_attention.default", Q, K, V, 0.0, True)
+# CUDA-only kernels have meta implementations; make_op builds them on meta tensors.
+FLASH = make_op(SDPA + "flash_attention.default", Q, K, V, 0.0, True)
 EFF_BIAS = (Q, K, V, T(1, 1, 16, 12), True, 0.0, False)
-EFF = op_any(SDPA + "efficient_attention.default", *EFF_BIAS)
-CUDNN = op_any(SDPA + "cudnn_attention.default", Q, K, V, None, True)
-EFF_BW = op_any(SDPA + "efficient_attention_backward.default", Q, Q, K, V, T(1, 1, 16, 12),
+EFF = make_op(SDPA + "efficient_attention.default", *EFF_BIAS)
+CUDNN = make_op(SDPA + "cudnn_attention.default", Q, K, V, None, True)
+EFF_BW = make_op(SDPA + "efficient_attention_backward.default", Q, Q, K, V, T(1, 1, 16, 12),
                 Q, T(4, 8, 32), T(2, dtype=I64), T(dtype=I64), 0.0, [True] * 4)
-FLASH_BW = op_any(SDPA + "flash_attention_backward.default", Q, Q, K, V, Q, T(4, 8, 16),
+FLASH_BW = make_op(SDPA + "flash_attention_backward.default", Q, Q, K, V, Q, T(4, 8, 16),
                   None, None, 16, 12, 0.0, True, T(2, dtype=I64), T(dtype=I64))
-CUDNN_BW = op_any(SDPA + "cudnn_attention_backward.default", Q, Q, K, V, Q, T(4, 8, 16, 1),
+CUDNN_BW = make_op(SDPA + "cudnn_attention_backward.default", Q, Q, K, V, Q, T(4, 8, 16, 1),
                   T(dtype=I64), T(dtype=I64), T(4, 8, 16, 12), None, None, 16, 12, 0.0, True)
 CPU_SDPA = SDPA + "flash_attention_for_cpu.default"
 CPU_SDPA_BW = SDPA + "flash_attention_for_cpu_backward.default"

@@ -10,6 +10,8 @@ import torch
 
 import autopar as ap
 
+from . import models_zoo as zoo
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 97
@@ -19,18 +21,11 @@ SEED = 0   # Strategy().seed
 
 
 def gpt2(attn: str) -> torch.nn.Module:
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
-                                  n_positions=32, bos_token_id=0, eos_token_id=0,
-                                  attn_implementation=attn)
-    return transformers.GPT2LMHeadModel(cfg)
+    return zoo.hf_gpt2(attn, VOCAB)
 
 
 def llama(attn: str) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   vocab_size=VOCAB, max_position_embeddings=64,
-                                   attn_implementation=attn)
-    return transformers.LlamaForCausalLM(cfg)
+    return zoo.hf_llama(attn, VOCAB)
 
 
 def lm_data(n: int = STEPS * BATCH) -> list:
