@@ -25,6 +25,7 @@ from ..passes.explain import explain_value
 from ..passes.lower_optimizer import initial_state
 from ..passes.manager import PassManager
 from ..runtime.executor import Executor
+from ..runtime.simulator import SimulatedExecutor
 from ..strategy import Strategy, UnsupportedStrategyError
 from .data import batch_size_of, batches
 from .logging import ProgressLog
@@ -47,7 +48,7 @@ class Plan:
     program: Program
     pass_timings: dict[str, float]
     mesh: ProcessMesh | None      # None: serial
-    executor: Executor | None = None
+    executor: Executor | SimulatedExecutor | None = None
 
 
 class Engine:
@@ -99,15 +100,19 @@ class Engine:
         if self._session is not None:
             self._session.engine, self._session.plan = self, plan
             raise PlanningDone()
-        if plan.mesh is not None and plan.mesh.size > 1:
+        simulated = plan.mesh is not None and plan.mesh.size > 1
+        if simulated and not self.strategy.debug.simulate:
             raise NotImplementedError(
-                f"this program is planned on {plan.mesh} but executing a distributed plan "
-                "needs the partition and reshard passes, which are not built yet; "
-                "engine.prepare(...) plans it and engine.explain(...) shows the placements")
-        self.strategy.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+                f"this program is planned on {plan.mesh} but running it on several processes "
+                "needs the c10d runtime, which is not built yet; debug.simulate: true runs "
+                "every rank in this process, engine.prepare(...) plans it and "
+                "engine.explain(...) shows the placements")
+        if not simulated:
+            self.strategy.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
         if plan.executor is None:
             self._init_optimizer_state(plan.program)
-            plan.executor = Executor(plan.program, self.state)
+            plan.executor = (SimulatedExecutor if simulated else Executor)(plan.program,
+                                                                         self.state)
         return plan
 
     def _plan(self, mode: str, inputs: Any, labels: Any) -> Plan:

@@ -20,9 +20,10 @@ from ..ir.dist import assemble, shard_tensor_local
 from ..passes.partition import partition, program_mesh
 from ..reshard.simulate import apply_step
 from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
+from ..spmd.local_forms.registry import is_random
 from .kernels import resolve
 
-__all__ = ["simulate_step"]
+__all__ = ["simulate_step", "SimulatedExecutor"]
 
 Coordinate = tuple[int, ...]
 
@@ -97,7 +98,12 @@ def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torc
                 for c, op in ops.items():
                     envs[c][op.outputs[0]] = moved[c]
             elif first.kind is OpKind.CALL:
+                # a random op's local form draws the global tensor and keeps its slice: every
+                # rank draws from the same generator state, which then advances once
+                rng = torch.default_generator.get_state() if is_random(first.target) else None
                 for c, op in ops.items():
+                    if rng is not None:
+                        torch.default_generator.set_state(rng)
                     for v, x in zip(op.outputs, _call(op, envs[c])):
                         envs[c][v] = x
             else:
@@ -115,3 +121,36 @@ def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torc
     new_state = dict(state)
     new_state.update({s.name: v for s, v in results.items() if s.kind == "update"})
     return results, new_state
+
+
+class SimulatedExecutor:
+    """The Executor interface over ``simulate_step``: the engine runs a distributed plan on
+    every rank of its mesh in this one process (``debug.simulate``). Slow, exact: for tests
+    and for debugging plans without launching processes.
+
+    The engine's ``state`` holds full tensors; updates are copied into them in place, so a
+    model whose parameters the state aliases trains in place as in serial runs.
+    """
+
+    def __init__(self, program: Program, state: dict[str, Any]):
+        self.program, self.state = program, state
+
+    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+        generator = torch.default_generator
+        saved = generator.get_state()
+        if seed is not None:
+            generator.manual_seed(seed)
+        try:
+            results, _ = simulate_step(self.program, feeds, self.state)
+        finally:
+            generator.set_state(saved)
+        for slot, value in results.items():
+            if slot.kind != "update":
+                continue
+            old = self.state.get(slot.name)
+            if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) \
+                    and old.shape == value.shape:
+                old.copy_(value)
+            else:
+                self.state[slot.name] = value
+        return {slot: v for slot, v in results.items() if slot.kind != "update"}

@@ -251,6 +251,8 @@ class DebugConfig(Section):
     """Debug aids: IR dumps, verifiers between passes, strict SPMD rule lookup.
 
     ``strict_rules`` makes an op without an SPMD rule an error instead of a replicate fallback.
+    ``simulate`` runs every rank of a distributed plan in this one process, with exact
+    collective semantics (slow; for tests and for debugging plans without a launcher).
     These never change what is computed, so the section is never "enabled" as a feature.
     """
 
@@ -258,6 +260,7 @@ class DebugConfig(Section):
     dump_dir: Annotated[str, Field(strict=True, min_length=1)] | None = None
     verify: StrictBool = True
     strict_rules: StrictBool = False
+    simulate: StrictBool = False
 
     @property
     def is_enabled(self) -> bool:
