@@ -62,18 +62,29 @@ def _call(op, env: dict[Value, Any]) -> list[Any]:
     return out
 
 
-def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torch.Tensor]
+def rank_programs(program: Program) -> dict[Coordinate, Program]:
+    """Every rank's local program, by mesh coordinate (the program itself when serial)."""
+    mesh = program_mesh(program)
+    if mesh is None:
+        return {(): program}
+    return {c: partition(program, c) for c in mesh.coordinates()}
+
+
+def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torch.Tensor],
+                  locals_: dict[Coordinate, Program] | None = None
                   ) -> tuple[dict[Slot, Any], dict[str, torch.Tensor]]:
     """Run one step of ``program`` (planned, global) on all ranks of its mesh.
 
     ``feeds`` are the full ``batch/<i>`` tensors and ``param_groups/<i>`` dicts, ``state``
     the full state tensors by name (never mutated). Returns the full results by slot
     (update slots included) and the full new state: ``state`` with every updated entry
-    replaced by its assembled new value.
+    replaced by its assembled new value. ``locals_``: the ranks' programs from
+    ``rank_programs`` (partitioned here when not given; a caller running many steps passes
+    them once).
     """
     mesh = program_mesh(program)
     coords: list[Coordinate] = list(mesh.coordinates()) if mesh is not None else [()]
-    locals_ = {c: partition(program, c) if mesh is not None else program for c in coords}
+    locals_ = locals_ if locals_ is not None else rank_programs(program)
     envs: dict[Coordinate, dict[Value, Any]] = {c: {} for c in coords}
     n_ops = len(program.ops)
     if any(len(p.ops) != n_ops for p in locals_.values()):
@@ -134,6 +145,7 @@ class SimulatedExecutor:
 
     def __init__(self, program: Program, state: dict[str, Any]):
         self.program, self.state = program, state
+        self.locals = rank_programs(program)    # partitioned once, at planning time
 
     def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
         generator = torch.default_generator
@@ -141,7 +153,7 @@ class SimulatedExecutor:
         if seed is not None:
             generator.manual_seed(seed)
         try:
-            results, _ = simulate_step(self.program, feeds, self.state)
+            results, _ = simulate_step(self.program, feeds, self.state, self.locals)
         finally:
             generator.set_state(saved)
         for slot, value in results.items():

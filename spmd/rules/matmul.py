@@ -19,24 +19,11 @@ from ..spec import Spec
 from .common import broadcast_letters, input_letters
 
 
-@register("aten.mm.default")
-def mm(op: Op) -> Spec:
-    return Spec.parse("mk,kn->mn", linear="each")
-
-
-@register("aten.bmm.default")
-def bmm(op: Op) -> Spec:
-    return Spec.parse("bmk,bkn->bmn", linear="each")
-
-
-@register("aten.mv.default")
-def mv(op: Op) -> Spec:
-    return Spec.parse("mk,k->m", linear="each")
-
-
-@register("aten.dot.default")
-def dot(op: Op) -> Spec:
-    return Spec.parse("k,k->", linear="each")
+# Plain products: one spec each, linear in each operand.
+_PRODUCTS = {"aten.mm.default": "mk,kn->mn", "aten.bmm.default": "bmk,bkn->bmn",
+             "aten.mv.default": "mk,k->m", "aten.dot.default": "k,k->"}
+for _target, _text in _PRODUCTS.items():
+    register(_target)(lambda op, spec=Spec.parse(_text, linear="each"): spec)
 
 
 class AffineProduct:
