@@ -24,7 +24,10 @@ from ..passes.context import PassContext
 from ..passes.explain import explain_value
 from ..passes.lower_optimizer import initial_state
 from ..passes.manager import PassManager
+from ..passes.partition import partition
+from ..runtime.distributed import RankPieces, input_cutter, rank_executor
 from ..runtime.executor import Executor
+from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups
 from ..runtime.simulator import SimulatedExecutor
 from ..strategy import Strategy, UnsupportedStrategyError
 from .data import batch_size_of, batches
@@ -49,6 +52,8 @@ class Plan:
     pass_timings: dict[str, float]
     mesh: ProcessMesh | None      # None: serial
     executor: Executor | SimulatedExecutor | None = None
+    local: Program | None = None  # this rank's program, on real processes
+    cut_inputs: Callable[[dict], dict] | None = None   # full feeds -> this rank's
 
 
 class Engine:
@@ -71,6 +76,12 @@ class Engine:
         if self._session is not None and self._session.dump_dir is not None:
             self.dump_dir = self._session.dump_dir
         self.param_names = {id(p): n for n, p in model.named_parameters()}
+        # torchrun's environment, read once: which process this is
+        self.launch_rank = int(os.environ.get("RANK", "0"))
+        self.launch_world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        # where earlier programs placed each parameter: later ones keep it there
+        self._kept: dict[str, Any] = {}
+        self._pieces: RankPieces | None = None     # this rank's state, on real processes
         # Serial runs alias the model's own tensors: the model trains in place.
         self.state: dict[str, Any] = {n: p.detach() for n, p in model.named_parameters()}
         self.state.update({n: b for n, b in model.named_buffers()})
@@ -94,26 +105,47 @@ class Engine:
                              f"engine.prepare(sample_inputs, sample_labels, mode={mode!r})")
         return explain_value(plans[-1].program, what)
 
+    @property
+    def distributed(self) -> bool:
+        """Whether this engine runs its plans on several real processes."""
+        mesh = self.strategy.process_mesh()
+        return mesh is not None and mesh.size > 1 and not self.strategy.debug.simulate
+
     def _runnable(self, plan: Plan) -> Plan:
-        """Refuse to execute what this version can only plan, and a launch that does not
-        match the strategy, before any process could hang."""
+        """The plan with its executor: serial, every rank in this process (simulate), or
+        this rank's part on real processes. A launch that does not match the strategy is
+        refused before any collective could hang."""
         if self._session is not None:
             self._session.engine, self._session.plan = self, plan
             raise PlanningDone()
-        simulated = plan.mesh is not None and plan.mesh.size > 1
-        if simulated and not self.strategy.debug.simulate:
-            raise NotImplementedError(
-                f"this program is planned on {plan.mesh} but running it on several processes "
-                "needs the c10d runtime, which is not built yet; debug.simulate: true runs "
-                "every rank in this process, engine.prepare(...) plans it and "
-                "engine.explain(...) shows the placements")
-        if not simulated:
-            self.strategy.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
-        if plan.executor is None:
-            self._init_optimizer_state(plan.program)
-            plan.executor = (SimulatedExecutor if simulated else Executor)(plan.program,
-                                                                         self.state)
+        if plan.executor is not None:
+            return plan
+        several = plan.mesh is not None and plan.mesh.size > 1
+        if several and not self.strategy.debug.simulate:
+            groups = self._groups(plan.mesh)
+            self._pieces.adopt(plan.program, self.state, self._fresh_optimizer_state)
+            plan.cut_inputs = input_cutter(plan.program, groups)
+            plan.executor = rank_executor(plan.program, plan.local, groups, self._pieces)
+            return plan
+        if not several:
+            self.strategy.check_world_size(self.launch_world_size)
+        self._init_optimizer_state(plan.program)
+        plan.executor = (SimulatedExecutor if several else Executor)(plan.program, self.state)
         return plan
+
+    def _groups(self, mesh: ProcessMesh) -> MeshGroups:
+        """Join the launch's process group and make the mesh's groups (once)."""
+        if self._pieces is None:
+            init_distributed(self._device(), mesh.size)
+            self._pieces = RankPieces.empty(mesh_groups(mesh))
+        if self._pieces.groups.mesh != mesh:
+            raise ValueError(f"this engine runs on {self._pieces.groups.mesh}; a program "
+                             f"planned on {mesh} cannot share its state")
+        return self._pieces.groups
+
+    def _device(self) -> torch.device:
+        first = next(iter(self.model.parameters()), None)
+        return first.device if first is not None else torch.device("cpu")
 
     def _plan(self, mode: str, inputs: Any, labels: Any) -> Plan:
         key = (mode, _signature(inputs), _signature(labels))
@@ -127,14 +159,49 @@ class Engine:
     def _plan_once(self, mode: str, inputs: Any, labels: Any) -> Plan:
         captured = capture(self.model, self.loss, inputs, labels, mode=mode)
         ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode,
+                          rank=self.launch_rank if self.distributed else 0,
+                          world_size=self.launch_world_size,
                           param_annotations=self._param_annotations())
         manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
         program = manager.run(captured.program, ctx)
-        return Plan(captured.spec, program, dict(manager.timings), ctx.mesh)
+        for op in program.states(StateKind.PARAM):
+            if op.result.dist is not None:
+                self._kept.setdefault(op.attrs["name"], op.result.dist)
+        plan = Plan(captured.spec, program, dict(manager.timings), ctx.mesh)
+        if ctx.mesh is not None and ctx.mesh.size > 1:
+            plan.local = self._partition(program, ctx.mesh, manager, ctx)
+        return plan
+
+    def _partition(self, program: Program, mesh: ProcessMesh, manager: PassManager,
+                   ctx: PassContext) -> Program | None:
+        """This rank's local program on real processes; offline and simulated plans dump
+        every rank's (when dumping) and keep none."""
+        if self.distributed and self._session is None:
+            local = partition(program, mesh.coordinate(self.launch_rank))
+            manager.dump_rank_program(local, "partition", ctx.rank, ctx)
+            return local
+        if self.dump_dir is not None:
+            for rank in mesh.process_ids:
+                local = partition(program, mesh.coordinate(rank))
+                manager.dump_rank_program(local, "partition", rank, ctx)
+        return None
 
     def _param_annotations(self) -> dict:
+        """``shard_tensor`` placements on parameters, and where earlier programs of this
+        engine put the others (a parameter keeps one placement)."""
         found = {name: param_annotation(p) for name, p in self.model.named_parameters()}
-        return {name: dist for name, dist in found.items() if dist is not None}
+        pinned = {name: dist for name, dist in found.items() if dist is not None}
+        return {**self._kept, **pinned}
+
+    def _fresh_optimizer_state(self, name: str) -> torch.Tensor | None:
+        """The full initial value of optimizer state ``<param>/<key>`` (None where torch
+        creates it on the first step)."""
+        param_name, _, key = name.rpartition("/")
+        for group in self.optimizer.param_groups if self.optimizer is not None else ():
+            for p in group["params"]:
+                if self.param_names[id(p)] == param_name:
+                    return initial_state(self.optimizer, group, p)[key]
+        raise KeyError(f"no initial value for program state {name!r}")
 
     def _init_optimizer_state(self, program: Program) -> None:
         wanted = {op.attrs["name"] for op in program.states(StateKind.OPTIM)}
@@ -152,11 +219,17 @@ class Engine:
             feeds.update({f"param_groups/{i}": g for i, g in enumerate(self.optimizer.param_groups)})
         return feeds
 
+    def _run(self, plan: Plan, inputs: Any, labels: Any, mode: str,
+             seed: int | None = None) -> dict[Slot, Any]:
+        feeds = self._feeds(inputs, labels, mode)
+        if plan.cut_inputs is not None:
+            feeds = plan.cut_inputs(feeds)
+        return plan.executor.run(feeds, seed=seed)
+
     # -- one step -----------------------------------------------------------------------
     def train_step(self, inputs: Any, labels: Any = None) -> float:
         plan = self._runnable(self._plan("train", inputs, labels))
-        results = plan.executor.run(self._feeds(inputs, labels, "train"),
-                                    seed=self.strategy.seed + self.global_step)
+        results = self._run(plan, inputs, labels, "train", seed=self.strategy.seed + self.global_step)
         self.global_step += 1
         self.optimizer._opt_called = True   # tells LR schedulers the optimizer stepped
         if self.lr_scheduler is not None:
@@ -165,7 +238,7 @@ class Engine:
 
     def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[float | None, Any]:
         plan = self._runnable(self._plan(mode, inputs, labels))
-        results = plan.executor.run(self._feeds(inputs, labels, mode))
+        results = self._run(plan, inputs, labels, mode)
         loss = results.get(Slot("loss"))
         outputs = [v for s, v in results.items() if s.kind == "output"]
         return (None if loss is None else float(loss)), _rebuild(plan.spec, outputs)
@@ -202,6 +275,7 @@ class Engine:
                     history.setdefault(f"val_{k}", []).append(v)
                 if self.is_logging_rank and verbose:
                     print("validation " + " ".join(f"{k}: {v:.4f}" for k, v in scores.items()))
+        self.sync_model()
         self.sync_optimizer_state()
         return history
 
@@ -239,15 +313,28 @@ class Engine:
     # -- state --------------------------------------------------------------------------
     @property
     def is_logging_rank(self) -> bool:
-        return True
+        """Only rank 0 prints (every rank computes the same global loss)."""
+        return not self.distributed or self.launch_rank == 0
 
     def programs(self) -> dict[str, Program]:
         return {f"{mode}{i}": plan.program for i, ((mode, *_), plan) in enumerate(self._plans.items())}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters and buffers by their module paths."""
+        """Full parameters and buffers by their module paths. On real processes the pieces
+        are gathered: a collective, so every rank calls it."""
+        self.sync_model()
         names = [n for n, _ in self.model.named_parameters()] + [n for n, _ in self.model.named_buffers()]
         return {n: self.state[n] for n in names}
+
+    def sync_model(self) -> None:
+        """On real processes, gather this rank's pieces of the parameters and buffers into
+        the model's own tensors (the model trains in place, as in serial runs). Collective;
+        ``fit`` calls it at its end."""
+        if self._pieces is None:
+            return
+        for name in sorted(self._pieces.dists):
+            if name in self.state and isinstance(self.state[name], torch.Tensor):
+                self.state[name].copy_(self._pieces.full(name))
 
     def sync_optimizer_state(self) -> None:
         """Expose the engine's optimizer state through ``optimizer.state`` (state_dict works)."""
@@ -258,6 +345,10 @@ class Engine:
                 name = self.param_names[id(p)]
                 prefix = f"{name}/"
                 own = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
+                if self._pieces is not None:
+                    own = {k[len(prefix):]: self._pieces.full(k)
+                           for k in sorted(self._pieces.dists) if k.startswith(prefix)}
+                    own = {k: v for k, v in own.items() if v is not None}
                 if own:
                     self.optimizer.state[p].update(own)
 
@@ -278,10 +369,6 @@ def _gc_paused():
 
 def _check_plannable(strategy: Strategy) -> None:
     strategy.check_supported(PLANNED_SECTIONS)
-    tp = strategy.tensor_parallel
-    if tp is not None and tp.sequence_parallel:
-        raise UnsupportedStrategyError(
-            {"tensor_parallel": "sequence_parallel: true needs the reshard pass"})
 
 
 def _steps_in(data, batch_size: int, limit: int | None) -> int | None:

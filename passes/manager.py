@@ -80,8 +80,14 @@ class PassManager:
         path = Path(self.dump_dir) / f"rank{ctx.rank}" / f"{prefix}timings.txt"
         path.write_text("\n".join(lines) + "\n")
 
+    def dump_rank_program(self, program: Program, name: str, rank: int,
+                          ctx: PassContext) -> None:
+        """Check and dump one rank's program made after the pipeline (its partition),
+        numbered after the last pass."""
+        self._check(program, name, ctx, len(self.passes) + 1, rank=rank)
+
     def _check(self, program: Program, name: str, ctx: PassContext, number: int,
-               explains: bool = False) -> None:
+               explains: bool = False, rank: int | None = None) -> None:
         if self.verify:
             try:
                 verify(program)
@@ -90,7 +96,8 @@ class PassManager:
                 raise
         if self.dump_dir is not None:
             prefix = "" if ctx.mode == "train" else f"{ctx.mode}_"
-            path = Path(self.dump_dir) / f"rank{ctx.rank}" / f"{prefix}{number:02d}_{name}.txt"
+            rank = ctx.rank if rank is None else rank
+            path = Path(self.dump_dir) / f"rank{rank}" / f"{prefix}{number:02d}_{name}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(format_program(program))
             self.dumped.append(path)

@@ -65,8 +65,14 @@ def _last_uses(program: Program) -> dict[int, list[Value]]:
     return dying
 
 
-def _emit_op(op: Op, em: _Emitter, names: dict[Value, str]) -> str:
+def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
+             comm: dict[Op, Callable] | None = None) -> str:
     lhs = ", ".join(names[v] for v in op.outputs)
+    if op.kind is OpKind.COMM:
+        if comm is None or op not in comm:
+            raise ValueError(f"codegen: {op.target} ({op.module or 'top level'}) has no bound "
+                             "collective; a rank program needs its process groups")
+        return f"{lhs} = {em.constant(comm[op])}({names[op.args[0]]})"
     if op.kind is OpKind.INPUT:
         return f"{lhs} = feeds[{op.attrs['name']!r}]"
     if op.kind is OpKind.STATE:
@@ -111,8 +117,10 @@ def _emit_batched(run: list[Op], em: _Emitter, names: dict[Value, str]) -> str:
     return f"{lhs}= {em.kernel(run[0].target, batched=True)}({', '.join(args)})"
 
 
-def generate(program: Program, name: str = "step") -> tuple[Callable, str]:
-    """Compile ``program`` to ``fn(feeds: dict, state: dict) -> tuple`` of its results."""
+def generate(program: Program, name: str = "step",
+             comm: dict[Op, Callable] | None = None) -> tuple[Callable, str]:
+    """Compile ``program`` to ``fn(feeds: dict, state: dict) -> tuple`` of its results.
+    ``comm`` binds each COMM op to the collective that runs it on this rank."""
     em = _Emitter()
     names = {v: f"v{i}" for i, v in enumerate(v for op in program.ops for v in op.outputs)}
     dying = _last_uses(program)
@@ -120,7 +128,7 @@ def generate(program: Program, name: str = "step") -> tuple[Callable, str]:
     ops, i = program.ops, 0
     while i < len(ops):
         end = _batch_run(ops, i)
-        line = _emit_batched(ops[i:end], em, names) if end - i > 1 else _emit_op(ops[i], em, names)
+        line = _emit_batched(ops[i:end], em, names) if end - i > 1 else _emit_op(ops[i], em, names, comm)
         lines.append("    " + line)
         dead = [names[v] for j in range(i, end) if ops[j].kind is not OpKind.OUTPUT
                 for v in dying.get(j, ())]

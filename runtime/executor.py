@@ -24,10 +24,13 @@ class Executor:
     """Compiles a program once; ``run`` feeds a step and writes state updates back.
 
     ``state`` maps state names to tensors and is shared with the engine (and, in serial
-    runs, aliases the model's own parameters, so the model trains in place).
+    runs, aliases the model's own parameters, so the model trains in place). A rank's
+    program of a distributed plan holds this rank's pieces, and ``comm`` binds its COMM ops
+    to their collectives (``runtime.rank_program``).
     """
 
-    def __init__(self, program: Program, state: dict[str, Any]):
+    def __init__(self, program: Program, state: dict[str, Any],
+                 comm: dict | None = None):
         self.program = program
         self.state = state
         for op in program.ops_of(OpKind.STATE):
@@ -37,7 +40,7 @@ class Executor:
                    if op.attrs["name"] not in state]
         if missing:
             raise KeyError(f"no initial value for program state {missing[:5]}")
-        self.fn, self.source = generate(program)
+        self.fn, self.source = generate(program, comm=comm)
         self.slots: list[Slot] = [s for s, _ in program.results()]
         self._updates = [(i, s.name) for i, s in enumerate(self.slots) if s.kind == "update"]
         self._returned = [i for i, s in enumerate(self.slots) if s.kind != "update"]

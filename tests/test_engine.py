@@ -89,11 +89,12 @@ def test_unsupported_strategy_section_is_refused_up_front():
         _mlp_engine(strategy=strategy)
 
 
-def test_a_distributed_plan_is_refused_at_run_time_not_silently_run_serially():
+def test_a_distributed_plan_without_its_processes_is_refused_not_run_serially():
     strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"})
     _, engine = _mlp_engine(strategy=strategy)
     engine.prepare(torch.randn(4, 16), torch.randn(4, 8))    # planning works offline
-    with pytest.raises(NotImplementedError, match="c10d runtime"):
+    with pytest.raises(ValueError, match="mesh has 2 ranks but WORLD_SIZE is 1.*torchrun "
+                                         "--nproc-per-node 2.*debug.simulate"):
         engine.fit(regression_data(8, 16, 8), batch_size=4, verbose=0)
 
 

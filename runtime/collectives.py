@@ -1,0 +1,162 @@
+"""Reshard steps as c10d collectives, with exactly the semantics of ``reshard.simulate``.
+
+Each comm op of a rank's program is bound once, at planning time, to a small callable
+``piece -> new piece``: the step, this rank's group along the step's mesh dim, and every
+group member's piece shape (known statically from the global shape and placements), so the
+step time does no shape arithmetic.
+
+Uneven shards (torch.chunk sizes) travel padded to the largest piece and are cut back:
+gloo's all-gather refuses pieces of different sizes, and the padded fixed-size collectives
+are the fast ones on NCCL too. Members are ordered by their index along the mesh dim, not by
+c10d group rank (``MeshAxisGroup.order``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..ir.core import Op
+from ..ir.dist import ProcessMesh, local_offset, local_shape, local_size
+from ..reshard.steps import (AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter,
+                             Slice, Step)
+from .process_groups import MeshAxisGroup, MeshGroups
+
+__all__ = ["bind_comm", "Collective"]
+
+Collective = Callable[[torch.Tensor], torch.Tensor]
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
+              "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def member_shapes(shape: Sequence[int], mesh: ProcessMesh, placements: Sequence,
+                  coordinate: Sequence[int], mesh_dim: int) -> list[tuple[int, ...]]:
+    """The piece each member of this rank's group along ``mesh_dim`` holds, by index."""
+    return [local_shape(shape, mesh, placements,
+                        tuple(coordinate[:mesh_dim]) + (j,) + tuple(coordinate[mesh_dim + 1:]))
+            for j in range(mesh.shape[mesh_dim])]
+
+
+def bind_comm(op: Op, groups: MeshGroups) -> Collective:
+    """The collective that runs comm ``op`` (of the *global* program) on this rank."""
+    value = op.args[0]
+    return bind_step(op.attrs["_step"], value.type.shape, value.dist.placements, groups)
+
+
+def bind_step(step: Step, shape: Sequence[int], placements: Sequence,
+              groups: MeshGroups) -> Collective:
+    """The collective for ``step`` on a tensor of global ``shape`` placed ``placements``."""
+    shapes = member_shapes(shape, groups.mesh, placements, groups.coordinate, step.mesh_dim)
+    binder = BINDERS.get(type(step))
+    if binder is None:
+        raise NotImplementedError(f"no c10d collective for reshard step {step}")
+    return binder(step, groups[step.mesh_dim], shapes)
+
+
+def _all_reduce(step: AllReduce, axis: MeshAxisGroup, shapes) -> Collective:
+    op, group = REDUCE_OPS[step.op], axis.group
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(y, op=op, group=group)
+        return y
+    return all_reduce
+
+
+def _chunks(size: int, n: int) -> list[tuple[int, int]]:
+    """(offset, length) of each torch.chunk piece of ``size`` into ``n``."""
+    return [(local_offset(size, n, j), local_size(size, n, j)) for j in range(n)]
+
+
+def _stack_blocks(blocks: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Blocks (cut along dim 0) laid end to end, each padded to ``width`` rows."""
+    if all(b.shape[0] == width for b in blocks):
+        return torch.cat(blocks) if len(blocks) > 1 else blocks[0].contiguous()
+    out = blocks[0].new_zeros((width * len(blocks),) + tuple(blocks[0].shape[1:]))
+    for g, b in enumerate(blocks):
+        out[g * width:g * width + b.shape[0]] = b
+    return out
+
+
+def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collective:
+    t, n, i = step.tensor_dim, axis.size, axis.index
+    parts = _chunks(shapes[i][t], n)
+    width = parts[0][1]
+    op, group, order = REDUCE_OPS[step.op], axis.group, axis.order
+    identity = order == tuple(range(n)) and all(length == width for _, length in parts)
+
+    def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+        xt = x.movedim(t, 0)
+        if identity:
+            flat = xt.contiguous()
+        else:
+            flat = _stack_blocks([xt.narrow(0, *parts[j]) for j in order], width)
+        out = flat.new_empty((width,) + tuple(flat.shape[1:]))
+        dist.reduce_scatter_tensor(out, flat, op=op, group=group)
+        return out[:parts[i][1]].movedim(0, t).contiguous()
+    return reduce_scatter
+
+
+def _all_gather(step: AllGather, axis: MeshAxisGroup, shapes) -> Collective:
+    t, n = step.tensor_dim, axis.size
+    sizes = [s[t] for s in shapes]
+    width = max(sizes)
+    group, order = axis.group, axis.order
+    identity = order == tuple(range(n)) and all(s == width for s in sizes)
+
+    def all_gather(x: torch.Tensor) -> torch.Tensor:
+        xt = x.movedim(t, 0)
+        mine = _stack_blocks([xt], width)
+        out = mine.new_empty((width * n,) + tuple(mine.shape[1:]))
+        dist.all_gather_into_tensor(out, mine, group=group)
+        if not identity:
+            by_index = {j: out[g * width:g * width + sizes[j]] for g, j in enumerate(order)}
+            out = torch.cat([by_index[j] for j in range(n)])
+        return out.movedim(0, t).contiguous()
+    return all_gather
+
+
+def _slice(step: Slice, axis: MeshAxisGroup, shapes) -> Collective:
+    t, n, i = step.tensor_dim, axis.size, axis.index
+    offset, length = _chunks(shapes[i][t], n)[i]
+
+    def slice_(x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(t, offset, length).clone(memory_format=torch.contiguous_format)
+    return slice_
+
+
+def _all_to_all(step: AllToAll, axis: MeshAxisGroup, shapes) -> Collective:
+    f, t, n, i = step.from_dim, step.to_dim, axis.size, axis.index
+    parts = _chunks(shapes[i][t], n)          # how the to-dim is cut, same on every member
+    group, order = axis.group, axis.order
+    # what member j sends me: its piece, cut to my chunk of the to-dim
+    incoming = [tuple(parts[i][1] if d == t else s for d, s in enumerate(shapes[j]))
+                for j in range(n)]
+    in_splits = [int(torch.Size(incoming[j]).numel()) for j in order]
+
+    def all_to_all(x: torch.Tensor) -> torch.Tensor:
+        blocks = [x.narrow(t, *parts[j]).reshape(-1) for j in order]
+        out_splits = [b.numel() for b in blocks]
+        send = torch.cat(blocks)
+        recv = send.new_empty(sum(in_splits))
+        dist.all_to_all_single(recv, send, output_split_sizes=in_splits,
+                               input_split_sizes=out_splits, group=group)
+        pieces = {j: r.view(incoming[j]) for j, r in zip(order, recv.split(in_splits))}
+        return torch.cat([pieces[j] for j in range(n)], dim=f)
+    return all_to_all
+
+
+def _make_partial(step: MakePartial, axis: MeshAxisGroup, shapes) -> Collective:
+    keeps = step.op != "sum" or axis.index == 0
+
+    def make_partial(x: torch.Tensor) -> torch.Tensor:
+        return x.clone() if keeps else torch.zeros_like(x)
+    return make_partial
+
+
+BINDERS: dict[type[Step], Callable[[Step, MeshAxisGroup, list], Collective]] = {
+    AllReduce: _all_reduce, ReduceScatter: _reduce_scatter, AllGather: _all_gather,
+    Slice: _slice, AllToAll: _all_to_all, MakePartial: _make_partial,
+}

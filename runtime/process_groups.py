@@ -1,0 +1,115 @@
+"""c10d process groups for a ProcessMesh: one group per line of ranks along each mesh dim.
+
+``torch.distributed.new_group`` is collective over the *whole* world: every rank must call
+it for every group, in the same order, or the run hangs. So every rank walks the same list
+(mesh dims in order, ``ProcessMesh.groups(dim)`` order within a dim) and keeps the groups it
+belongs to. Groups are made once per mesh and shared by every program on that mesh.
+
+c10d orders a group's members by global rank; the mesh orders them by their index along
+the dim. ``MeshAxisGroup.order`` maps one onto the other, so collectives that concatenate or
+scatter (all-gather, reduce-scatter, all-to-all) keep the mesh's order whatever ids the mesh
+holds.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..ir.dist import ProcessMesh
+
+__all__ = ["MeshAxisGroup", "MeshGroups", "init_distributed", "backend_for"]
+
+
+@dataclass(frozen=True)
+class MeshAxisGroup:
+    """This rank's group along one mesh dim."""
+
+    group: Any                 # a c10d ProcessGroup
+    ranks: tuple[int, ...]     # global ranks, by index along the mesh dim
+    index: int                 # this rank's index along the mesh dim
+    order: tuple[int, ...]     # order[g] = mesh index of the member with group rank g
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    mesh: ProcessMesh
+    rank: int
+    coordinate: tuple[int, ...]
+    axes: tuple[MeshAxisGroup, ...]   # one per mesh dim
+
+    def __getitem__(self, mesh_dim: int) -> MeshAxisGroup:
+        return self.axes[mesh_dim]
+
+
+_CACHE: dict[ProcessMesh, MeshGroups] = {}
+
+
+def mesh_groups(mesh: ProcessMesh) -> MeshGroups:
+    """This rank's groups on ``mesh`` (created on first use, on every rank alike)."""
+    if mesh not in _CACHE:
+        _CACHE[mesh] = _create(mesh)
+    return _CACHE[mesh]
+
+
+def _create(mesh: ProcessMesh) -> MeshGroups:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if max(mesh.process_ids) >= world:
+        raise ValueError(f"{mesh} names process {max(mesh.process_ids)}, but only {world} "
+                         f"processes were launched (ranks 0..{world - 1})")
+    coordinate = mesh.coordinate(rank)
+    if coordinate is None:
+        raise ValueError(f"rank {rank} is not in {mesh}: every launched process must be on "
+                         "the mesh (a mesh per pipeline stage comes with pipelines)")
+    axes = []
+    for d in range(mesh.ndim):
+        mine = None
+        for ranks in mesh.groups(d):
+            group = _new_group(ranks, world)
+            if rank in ranks:
+                mine = (group, tuple(ranks))
+        group, ranks = mine
+        members = sorted(ranks)
+        axes.append(MeshAxisGroup(group, ranks, coordinate[d],
+                                  tuple(ranks.index(r) for r in members)))
+    return MeshGroups(mesh, rank, coordinate, tuple(axes))
+
+
+def _new_group(ranks: list[int], world: int) -> Any:
+    if len(ranks) == world and sorted(ranks) == list(range(world)):
+        return dist.group.WORLD
+    return dist.new_group(ranks)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device: torch.device, expected_world_size: int) -> tuple[int, int]:
+    """Join the process group torchrun describes (env:// rendezvous, so multi-node works
+    through torchrun's own flags); returns (rank, world size). Checks the launch matches
+    the strategy before any collective could hang."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != expected_world_size:
+        raise ValueError(
+            f"the strategy's mesh has {expected_world_size} ranks but WORLD_SIZE is {world}: "
+            f"launch with `torchrun --nproc-per-node {expected_world_size} script.py` (or set "
+            "debug.simulate: true to run every rank in this process)")
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError("WORLD_SIZE is set but MASTER_ADDR is not: launch with torchrun")
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend_for(device))
+    if dist.get_world_size() != expected_world_size:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks, the strategy's "
+                         f"mesh {expected_world_size}")
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,77 @@
+"""Run on every real rank (``rank_main.py collectives``): each reshard step of the planner's
+paths as a c10d collective, compared with ``reshard.simulate`` over every rank's piece.
+
+Every rank builds the same pieces for all coordinates (seeded), computes the reference for
+all of them, runs the real collective on its own piece and compares. Cases: the catalogue
+of ``test_reshard_plan`` on each mesh dim, nested n-D changes, even and uneven shapes, on
+meshes with row-major and with shuffled process ids (group order != rank order).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopar.ir.dist import DistAttr, ProcessMesh, parse_placements
+from autopar.reshard import apply_step, plan_reshard
+from autopar.runtime.collectives import bind_step
+from autopar.runtime.process_groups import init_distributed, mesh_groups
+from test_reshard_plan import CATALOGUE, EVEN, NESTED, UNEVEN, make_pieces
+
+R = parse_placements("R")[0]
+
+
+def meshes(world: int) -> list[ProcessMesh]:
+    found = [ProcessMesh(list(range(world)))]
+    if world == 4:
+        found += [ProcessMesh(np.arange(4).reshape(2, 2)),
+                  ProcessMesh([[3, 1], [0, 2]]),     # group order differs from rank order
+                  ProcessMesh([2, 0, 3, 1])]
+    return found
+
+
+def cases(mesh: ProcessMesh):
+    """(shape, src placements, dst placements)."""
+    for (src, dst, *_), shape in itertools.product(CATALOGUE, (EVEN, UNEVEN)):
+        for d in range(mesh.ndim):
+            for other in (R, *parse_placements("S(2),P(sum)")):
+                if mesh.ndim == 1 and other is not R:
+                    continue
+                place = lambda p: tuple(p if i == d else other for i in range(mesh.ndim))  # noqa
+                yield shape, place(src), place(dst)
+    if mesh.ndim == 2:
+        for src, dst, shape, _ in NESTED:
+            yield shape, parse_placements(src), parse_placements(dst)
+
+
+def check_case(mesh, groups, shape, src, dst, seed) -> list[str]:
+    gen = torch.Generator().manual_seed(seed)
+    glob = torch.randn(shape, generator=gen, dtype=torch.float64)
+    pieces = make_pieces(glob, mesh, src, gen)
+    placements, errors = tuple(src), []
+    for step in plan_reshard(shape, DistAttr(mesh, tuple(src)), DistAttr(mesh, tuple(dst))):
+        want = apply_step(pieces, mesh, step)
+        got = bind_step(step, shape, placements, groups)(pieces[groups.coordinate])
+        mine = want[groups.coordinate]
+        if got.shape != mine.shape or not torch.allclose(got, mine, rtol=1e-12, atol=1e-12):
+            errors.append(f"{step} on {mesh} shape {list(shape)} from {placements}: got "
+                          f"{list(got.shape)}, want {list(mine.shape)}")
+        pieces, placements = want, step.advance(placements)
+    return errors
+
+
+def check_all() -> dict:
+    _, world = init_distributed(torch.device("cpu"), int(os.environ["WORLD_SIZE"]))
+    checked, errors, kinds = 0, [], set()
+    for mesh in meshes(world):
+        groups = mesh_groups(mesh)
+        for seed, (shape, src, dst) in enumerate(cases(mesh)):
+            steps = plan_reshard(shape, DistAttr(mesh, tuple(src)), DistAttr(mesh, tuple(dst)))
+            kinds.update(s.kind for s in steps)
+            errors += check_case(mesh, groups, shape, src, dst, seed)
+            checked += 1
+    dist.barrier()
+    return {"checked": checked, "errors": errors, "kinds": sorted(kinds)}
