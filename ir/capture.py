@@ -279,7 +279,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
         with notes.tracing():
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 [params[n].detach().requires_grad_(params[n].requires_grad) for n in param_names],
-                [buffers[n] for n in buffer_names], batch_leaves)
+                [buffers[n] for n in buffer_names], _distinct(batch_leaves))
     except _DATA_DEPENDENT_ERRORS as exc:
         module, where = _module_in_traceback(exc, model)
         raise CaptureError(
@@ -290,6 +290,18 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
     finally:
         model.train(was_training)
     return gm, spec, param_names, buffer_names, layout
+
+
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One object per batch leaf: make_fx maps one tensor object to one placeholder, so a
+    tensor passed as both input and label (``prepare(x, x)``) would make the program read
+    one feed for both, and later batches with different labels would be wrong."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        out.append(t.clone() if id(t) in seen else t)
+        seen.add(id(t))
+    return out
 
 
 def _describe(x: Any) -> str:

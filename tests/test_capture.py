@@ -270,3 +270,16 @@ def test_opaque_output_object_is_a_clear_error():
     model = zoo.OpaqueOutputNet()
     with pytest.raises(CaptureError, match=r"output\['cache'\] is a Cache"):
         capture(model, None, torch.randn(2, 8), None, mode="predict")
+
+
+def test_one_tensor_as_input_and_label_still_gives_two_feeds():
+    """prepare(x, x) plans the program later batches reuse: it must read the labels it is
+    fed, not the inputs again."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+    ref = copy.deepcopy(model)
+    engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randint(0, 32, (2, 8))
+    engine.prepare(x, x)
+    y = torch.randint(0, 32, (2, 8))
+    assert engine.train_step(x, y) == pytest.approx(lm_loss(ref(x), y).item(), rel=1e-6)
