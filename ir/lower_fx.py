@@ -19,6 +19,9 @@ class LoweringError(RuntimeError):
     pass
 
 
+# op attribute: the strides of each output as traced (random ops only; None for a non-tensor)
+STRIDES_ATTR = "_strides"
+
 _PHASE_ROLE = {"fwd": Role.FORWARD, "loss": Role.LOSS, "bwd": Role.BACKWARD, "opt": Role.OPTIMIZER}
 
 
@@ -112,6 +115,11 @@ class Lowering:
                                    module=module, kwargs=dict(kwargs), forward_op=forward)
         if multi:
             op.attrs["_multi"] = True   # the kernel returns a sequence, even of one element
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            # a random kernel's draws follow the memory layout of the tensor it fills, which
+            # the IR's types do not keep: a rank replays the draw in the trace's layout
+            op.attrs[STRIDES_ATTR] = tuple(tuple(v.stride()) if isinstance(v, torch.Tensor)
+                                           else None for v in (val if multi else [val]))
         seq = node.meta.get("seq_nr")
         if role in (Role.FORWARD, Role.LOSS) and isinstance(seq, int):
             self.first_op_by_seq.setdefault(seq, op)

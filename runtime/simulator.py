@@ -62,6 +62,28 @@ def _call(op, env: dict[Value, Any]) -> list[Any]:
     return out
 
 
+def _communicate(ops: dict[Coordinate, Any], envs: dict, mesh) -> None:
+    """One comm op on every rank: a reshard step, a bucket's start (its steps, one per
+    input, run at once: the handle holds the results) or a bucket's wait."""
+    first = next(iter(ops.values()))
+    if first.target == "comm.wait":
+        for c, op in ops.items():
+            for v, x in zip(op.outputs, envs[c][op.args[0]]):
+                envs[c][v] = x
+        return
+    steps = first.attrs.get("_steps") or (first.attrs["_step"],)
+    results: dict[Coordinate, list] = {c: [] for c in ops}
+    for k, step in enumerate(steps):
+        moved = apply_step({c: envs[c][op.args[k]] for c, op in ops.items()}, mesh, step)
+        for c in ops:
+            results[c].append(moved[c])
+    for c, op in ops.items():
+        if first.target == "comm.all_reduce_start":
+            envs[c][op.outputs[0]] = tuple(results[c])
+        else:
+            envs[c][op.outputs[0]] = results[c][0]
+
+
 def rank_programs(program: Program) -> dict[Coordinate, Program]:
     """Every rank's local program, by mesh coordinate (the program itself when serial)."""
     mesh = program_mesh(program)
@@ -103,15 +125,14 @@ def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torc
                 for c, op in ops.items():
                     envs[c][op.outputs[0]] = _piece(full, op.outputs[0], c) if mesh else full
             elif first.kind is OpKind.COMM:
-                step = first.attrs["_step"]
-                pieces = {c: envs[c][op.args[0]] for c, op in ops.items()}
-                moved = apply_step(pieces, mesh, step)
-                for c, op in ops.items():
-                    envs[c][op.outputs[0]] = moved[c]
+                _communicate(ops, envs, mesh)
             elif first.kind is OpKind.CALL:
                 # a random op's local form draws the global tensor and keeps its slice: every
-                # rank draws from the same generator state, which then advances once
-                rng = torch.default_generator.get_state() if is_random(first.target) else None
+                # rank draws from the same generator state, which then advances once. Ask
+                # the global op: the local form's target (autopar.sliced_random) is no ATen
+                # random op, and ranks that drew in turn would draw unrelated numbers
+                rng = torch.default_generator.get_state() \
+                    if is_random(program.ops[i].target) else None
                 for c, op in ops.items():
                     if rng is not None:
                         torch.default_generator.set_state(rng)

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.ir import Op, OpKind, Program, StateKind, TensorType, Value
 from autopar.ir.capture import capture
+from autopar.ir.lower_fx import STRIDES_ATTR
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.context import PassContext
@@ -216,6 +217,8 @@ def synthetic(target: str, *args, model: str = "synthetic", **kwargs) -> OpCase:
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     types = [TensorType(tuple(o.shape), o.dtype) for o in outs]
     op = Op(OpKind.CALL, target, vargs, vkwargs, [Value(t) for t in types])
+    if rng is not None:   # what capture records for random ops: the layout they filled
+        op.attrs[STRIDES_ATTR] = tuple(tuple(o.stride()) for o in outs)
     return OpCase(op, values, outs, rng, model)
 
 
