@@ -9,6 +9,7 @@ exceptions carry something global in their non-tensor arguments or in what they 
 * ``mean`` divides by the number of elements, which is global;
 * a vocab-sharded ``embedding`` holds only some rows, so other ids give 0 (a *masked*
   ``Partial(sum)``), and its backward scatters only into the rows the rank holds;
+  likewise a class-sharded ``nll_loss`` reads only the targets in its class range;
 * random ops must give every rank its slice of one global random tensor, or a sharded run
   would not equal the single-device run (a random op with a sharded output and no form
   raises ``UnsupportedLocalForm`` rather than run wrong);
@@ -28,7 +29,7 @@ from .registry import LOCAL_FORMS, LocalForm, local_call, register_local_form, r
 
 # the family modules, one per op family (like spmd/rules/): importing them fills
 # LOCAL_FORMS and registers their ``autopar.*`` kernels, in this order
-from . import shapes, reductions, embedding, random, guards  # noqa: F401
+from . import shapes, reductions, embedding, losses, random, guards  # noqa: F401
 from .embedding import vocab_embedding, vocab_embedding_backward  # noqa: F401
 from .guards import empty_outputs  # noqa: F401
 from .random import sliced_native_dropout, sliced_random  # noqa: F401

@@ -1,8 +1,13 @@
-"""Losses. Negative log-likelihood: each row reads one class entry, so the class letter stays whole
-and the batch letter shards. How the batch letter combines follows ``reduction``:
-none keeps it in the output, sum makes both the loss and total_weight Partial(sum), mean
-(a weighted mean; a pass rewrites it into sum + div before completion) needs it whole.
-Inputs may be 1-D (one sample, no batch letter). Mean squared error: see below."""
+"""Losses. Negative log-likelihood: each row reads one class entry. The batch letter shards;
+how it combines follows ``reduction``: none keeps it in the output, sum makes both the loss
+and total_weight Partial(sum), mean (a weighted mean; a pass rewrites it into sum + div
+before completion) needs it whole. The class letter shards too (vocab parallel): a rank
+reads only the targets in its class range and counts only their weights, so the loss and
+total_weight are Partial(sum) over the class mesh dims (their local form,
+spmd/local_forms/losses.py, masks the other targets); the backward writes each row's
+-w/total only into the class range the rank holds. Mean needs the class letter whole (a
+ratio of local sums is no term of the global ratio). Inputs may be 1-D (one sample, no
+batch letter). Mean squared error: see below."""
 from __future__ import annotations
 
 from ...ir.core import Op
@@ -24,23 +29,25 @@ def nll_loss_forward(op: Op) -> Spec:
     reduction = schema_args(op)["reduction"]
     ins = input_letters(op, {"self": b + c, "target": b, "weight": c})
     out = b if reduction == NONE else ""
-    whole = {c} | ({b} - {""} if reduction == MEAN else set())
+    whole = {b, c} - {""} if reduction == MEAN else set()
     # total_weight is a 0-d sum of the rows' weights (0 with reduction none): Partial(sum)
-    # under a sharded batch is exact for it in every mode that lets the batch shard. The op
-    # is linear in self, but not total_weight, so Partial inputs are reduced first.
+    # under a sharded batch or class letter is exact for it in every mode that lets them
+    # shard. The op is linear in self, but not total_weight, so Partial inputs are reduced
+    # first.
     return Spec(ins, (out, ""), replicated=whole, reduce="sum")
 
 
 @register("aten.nll_loss_backward.default")
 def nll_loss_backward(op: Op) -> Spec:
     # grad_input[i, t_i] = -w[t_i] * g(_i) [/ total_weight]: rows are independent given the
-    # whole total_weight, whatever the reduction; linear in grad_output.
+    # whole total_weight, whatever the reduction, and so are classes (a class-sharded piece
+    # is written by the local form); linear in grad_output.
     b, c = _batch_and_class(op)
     reduction = schema_args(op)["reduction"]
     grad = b if reduction == NONE else ""
     ins = input_letters(op, {"grad_output": grad, "self": b + c, "target": b, "weight": c,
                              "total_weight": ""})
-    return Spec(ins, (b + c,), replicated={c}, linear="each", linear_inputs={0})
+    return Spec(ins, (b + c,), linear="each", linear_inputs={0})
 
 
 # mse_loss(self, target, reduction): elementwise squared errors, then none/sum/mean over all
