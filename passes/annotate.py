@@ -8,13 +8,28 @@ first forward use (through transposes and views, by the SPMD rules) to the op th
 it. Colwise is the dim that shards that op's last output dim; rowwise and vocab the dim that
 makes it Partial. So a Conv1D that stores ``[in, out]`` gets the right dim, as does
 ``nn.Linear`` with ``[out, in]``.
+
+A fused colwise projection (one linear computing q, k and v, then ``split`` into equal
+pieces along the sharded dim) is found the same way: when the op's output, followed through
+single-input ops, is split along that dim into k equal pieces, the weight (and bias) is
+sharded ``Shard(dim, groups=k)``, Megatron's interleaved layout: every rank holds its chunk
+of each piece, so q, k and v come out of the split sharded by heads with no communication.
+
+``tensor_parallel.sequence_parallel`` (Megatron-SP) adds activation annotations: each output
+of a rowwise or vocab module (the value the module hands to the rest of the forward) is
+pinned ``Shard(sequence_dim)`` on the tp mesh dim, other mesh dims left to the producer.
+Those outputs are Partial(sum), so reshard writes a reduce-scatter where TP alone would
+all-reduce later; completion carries the sequence shard through the residual adds, dropout
+and LayerNorm (their rules shard token dims), and the next colwise matmul, whose flattened
+input may not keep the sequence dim sharded, gathers it. The backward follows by the same
+rules: the gather's gradient is a reduce-scatter and the reduce-scatter's a gather.
 """
 from __future__ import annotations
 
 import fnmatch
 
 from ..annotations import ANNOTATE_TARGET, decode
-from ..ir import Op, OpKind, Program, StateKind, Value
+from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
 from ..spmd import lookup
 from ..spmd.registry import tensor_inputs
@@ -38,6 +53,7 @@ def annotate(program: Program, ctx: PassContext) -> Program:
         if name in params:
             _pin(params[name], dist, Reason("annotation", f"shard_tensor on parameter {name!r}"))
     _apply_plan(program, ctx, params)
+    _apply_sequence_parallel(program, ctx, params)
     _apply_data_parallel(program, ctx)
     return program
 
@@ -96,7 +112,25 @@ def _apply_plan(program: Program, ctx: PassContext, params: dict[str, Value]) ->
         return
     axis = ctx.mesh.dim_index(tp.axis)
     users = program.users()
-    for pattern, style in tp.plan.items():
+    for pattern, style, matched in _plan_entries(tp.plan, params):
+        for name, value in matched.items():
+            if value.dist is not None:
+                continue   # an explicit shard_tensor wins over the plan
+            dim, groups = _plan_dim(value, style, axis, ctx.mesh, users, name, pattern)
+            placement = Replicate() if dim is None else Shard(dim, groups)
+            dist = DistAttr.replicated(ctx.mesh).with_placement(axis, placement)
+            what = ("replicated" if dim is None else f"dim {dim} sharded" + (
+                f" in {groups} groups (its output is split in {groups} equal pieces)"
+                if groups > 1 else ""))
+            _pin(value, dist, Reason("plan", f"tensor_parallel.plan {pattern!r}: {style}, "
+                                             f"{what} on {tp.axis}"))
+
+
+def _plan_entries(plan: dict[str, str], params: dict[str, Value]
+                  ) -> list[tuple[str, str, dict[str, Value]]]:
+    """(pattern, style, the parameters of the modules it matches) per plan entry."""
+    entries = []
+    for pattern, style in plan.items():
         matched = {n: v for n, v in params.items()
                    if fnmatch.fnmatchcase(n.rpartition(".")[0], pattern)}
         if not matched:
@@ -105,19 +139,14 @@ def _apply_plan(program: Program, ctx: PassContext, params: dict[str, Value]) ->
                 f"tensor_parallel.plan entry {pattern!r} ({style}) matches no module with "
                 f"parameters (a tied weight belongs to the module that registered it "
                 f"first); modules are: {', '.join(modules[:40])}")
-        for name, value in matched.items():
-            if value.dist is not None:
-                continue   # an explicit shard_tensor wins over the plan
-            dim = _plan_dim(value, style, axis, ctx.mesh, users, name, pattern)
-            placement = Replicate() if dim is None else Shard(dim)
-            dist = DistAttr.replicated(ctx.mesh).with_placement(axis, placement)
-            what = "replicated" if dim is None else f"dim {dim} sharded"
-            _pin(value, dist, Reason("plan", f"tensor_parallel.plan {pattern!r}: {style}, "
-                                             f"{what} on {tp.axis}"))
+        entries.append((pattern, style, matched))
+    return entries
 
 
 def _plan_dim(value: Value, style: str, axis: int, mesh: ProcessMesh,
-              users: dict[Value, list[Op]], name: str, pattern: str) -> int | None:
+              users: dict[Value, list[Op]], name: str, pattern: str
+              ) -> tuple[int | None, int]:
+    """(the weight dim the style shards or None: replicated, its groups)."""
     tried = []
     for dim in range(len(value.type.shape)):
         dist = DistAttr.replicated(mesh).with_placement(axis, Shard(dim))
@@ -127,11 +156,11 @@ def _plan_dim(value: Value, style: str, axis: int, mesh: ProcessMesh,
         tried.append(f"dim {dim} -> {consumer.target} output {placed}")
         out_rank = len(consumer.outputs[0].type.shape)
         if style == "colwise" and placed == Shard(out_rank - 1):
-            return dim
+            return dim, _fused_pieces(consumer, placed, axis, mesh, users)
         if style in ("rowwise", "vocab") and isinstance(placed, Partial):
-            return dim
+            return dim, 1
     if style == "rowwise" and len(value.type.shape) == 1:
-        return None   # a row-parallel bias is added once, after the reduction: replicated
+        return None, 1   # a row-parallel bias is added once, after the reduction: replicated
     raise AnnotationError(
         f"tensor_parallel.plan {pattern!r}: cannot apply {style} to parameter {name!r} "
         f"{list(value.type.shape)}: no dim gives a {'sharded last output dim' if style == 'colwise' else 'partial output'} "
@@ -158,6 +187,40 @@ def _probe(value: Value, dist: DistAttr, users: dict[Value, list[Op]]
         return consumer, _landing(consumer, rule, ins.index(value), dist, axis)
 
 
+_SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default")
+
+
+def _fused_pieces(consumer: Op, placed: Shard, axis: int, mesh: ProcessMesh,
+                  users: dict[Value, list[Op]]) -> int:
+    """k when the colwise op's output, followed through single-input ops, is split along
+    its sharded dim into k > 1 equal pieces (a fused qkv projection); else 1. Only the
+    first forward use is followed, as the style probe does."""
+    value = consumer.outputs[0]
+    dist = DistAttr.replicated(mesh).with_placement(axis, placed)
+    while True:
+        op = next((u for u in users.get(value, ()) if u.kind is OpKind.CALL
+                   and u.role.value == "fwd"), None)
+        rule = lookup(op) if op is not None else None
+        if rule is None or len(tensor_inputs(op)) != 1:
+            return 1
+        shard = dist.placements[axis]
+        if op.target in _SPLITS:
+            d = _dim_arg(op, len(value.type.shape))
+            pieces = {o.type.shape[d] for o in op.outputs}
+            return (len(op.outputs) if isinstance(shard, Shard) and shard.dim == d
+                    and len(op.outputs) > 1 and len(pieces) == 1 else 1)
+        if len(op.outputs) != 1:
+            return 1
+        value, dist = op.outputs[0], rule.forward(op, [dist], mesh).outputs[0]
+        if not dist.placements[axis].is_shard():
+            return 1
+
+
+def _dim_arg(op: Op, ndim: int) -> int:
+    d = op.args[2] if len(op.args) > 2 else op.kwargs.get("dim", 0)
+    return d % ndim
+
+
 def _landing(op: Op, rule, index: int, dist: DistAttr, axis: int) -> Placement:
     placement = dist.placements[axis]
     if not isinstance(placement, Shard):
@@ -171,6 +234,97 @@ def _landing(op: Op, rule, index: int, dist: DistAttr, axis: int) -> Placement:
         return Partial(spec.reduce[0]) if spec.shardable(letter) else Replicate()
     others = [dist if i == index else None for i in range(len(tensor_inputs(op)))]
     return rule.forward(op, others, dist.mesh).outputs[0].placements[axis]
+
+
+# -- tensor_parallel.sequence_parallel -------------------------------------------------
+
+# Roles of the ops that make a value a module's output when they read it from outside the
+# module; a backward op reading it uses a saved activation, which is not what it returns.
+_FORWARD_ROLES = (Role.FORWARD, Role.LOSS)
+
+
+def _apply_sequence_parallel(program: Program, ctx: PassContext,
+                             params: dict[str, Value]) -> None:
+    tp = ctx.strategy.tensor_parallel
+    if tp is None or not tp.sequence_parallel:
+        return
+    axis = ctx.mesh.dim_index(tp.axis)
+    if ctx.mesh.shape[axis] == 1:
+        return   # one rank on tp: every shard is the whole value
+    modules = {n.rpartition(".")[0]: (pattern, style)
+               for pattern, style, matched in _plan_entries(tp.plan, params)
+               if style in ("rowwise", "vocab") for n in matched}
+    if not modules:
+        raise AnnotationError(
+            f"tensor_parallel.sequence_parallel on {tp.axis} of {ctx.mesh}: the plan has no "
+            f"rowwise or vocab entry, so no activation leaves a parallel region to be "
+            f"sequence-sharded (plan: {dict(tp.plan)})")
+    dist = DistAttr.replicated(ctx.mesh).with_placement(axis, Shard(tp.sequence_dim))
+    users = program.users()
+    for module, (pattern, style) in sorted(modules.items()):
+        exits = _module_outputs(program, module, users)
+        if not exits:
+            raise AnnotationError(
+                f"tensor_parallel.sequence_parallel: {style} module {module!r} (plan "
+                f"{pattern!r}) hands no tensor to the rest of the forward")
+        for value in exits:
+            _check_sequence_dim(value, module, tp.sequence_dim, tp.axis, ctx.mesh, axis)
+            _annotate_activation(program, value, dist, axis, module, users)
+
+
+def _inside(op: Op, module: str) -> bool:
+    return op.module == module or op.module.startswith(module + ".")
+
+
+def _module_outputs(program: Program, module: str, users: dict[Value, list[Op]]
+                    ) -> list[Value]:
+    """The forward tensors ``module`` computes that forward ops outside it (or the program
+    results) read: what the module returns, in program order."""
+    found = []
+    for op in program.ops:
+        if op.kind is not OpKind.CALL or op.role is not Role.FORWARD or not _inside(op, module):
+            continue
+        for v in op.outputs:
+            if v.is_tensor and any(
+                    u.kind is OpKind.OUTPUT
+                    or (u.role in _FORWARD_ROLES and not _inside(u, module))
+                    for u in users.get(v, ())):
+                found.append(v)
+    return found
+
+
+def _check_sequence_dim(value: Value, module: str, dim: int, axis_name: str,
+                        mesh: ProcessMesh, axis: int) -> None:
+    shape, ranks = list(value.type.shape), mesh.shape[axis]
+    where = (f"tensor_parallel.sequence_parallel: the output of {module!r} {value.type} "
+             f"on {mesh}")
+    if dim >= len(shape):
+        raise AnnotationError(
+            f"{where} has no sequence_dim {dim} to shard over {axis_name} (rank "
+            f"{len(shape)}); set tensor_parallel.sequence_dim to the sequence dim of the "
+            f"activations, or leave this module out of the plan's rowwise/vocab entries")
+    if shape[dim] % ranks:
+        raise AnnotationError(
+            f"{where}: sequence length {shape[dim]} (dim {dim}) is not divisible by the "
+            f"{ranks} ranks of {axis_name}; sequence parallelism needs equal sequence "
+            f"shards (pad the sequence to a multiple of {ranks})")
+
+
+def _annotate_activation(program: Program, value: Value, dist: DistAttr, axis: int,
+                         module: str, users: dict[Value, list[Op]]) -> None:
+    """Route every reader of ``value`` through an ``autopar.annotate`` that pins the tp mesh
+    dim: the forward's next layer and the backward ops that saved it alike, so the
+    activation is held sequence-sharded (Megatron-SP's memory saving)."""
+    readers = list(users.get(value, ()))
+    note = Op(OpKind.CALL, "autopar.annotate", (value,), outputs=[Value(value.type)],
+              role=Role.FORWARD, module=module,
+              attrs={"dist": dist, "mesh_dims": (axis,), "origin": "sequence_parallel"})
+    program.insert_after(value.producer, note)
+    pinned = note.result
+    for op in readers:
+        op.map_inputs(lambda v: pinned if v is value else v)
+    users[pinned] = readers
+    users[value] = [note]
 
 
 # -- data_parallel ---------------------------------------------------------------------

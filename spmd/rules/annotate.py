@@ -1,21 +1,35 @@
-"""``autopar.annotate``: a user's ``shard_tensor`` inside forward. Its output is pinned to
-the annotation; its input needs the same placement, so reshard moves the producer's value
-there if they differ."""
+"""``autopar.annotate``: a user's ``shard_tensor`` inside forward, or an activation placement
+the annotate pass adds (sequence parallelism). Its output is pinned to the annotation; its
+input needs the same placement, so reshard moves the producer's value there if they differ.
+An annotation may pin only some mesh dims (``attrs["mesh_dims"]``): on the others the value
+keeps its producer's placement (sequence parallelism fixes tp and leaves dp to the batch)."""
 from __future__ import annotations
 
+from ...ir.dist import DistAttr, Replicate
 from ..einsum import Decision, MeshDimChoice, Option
 from ..registry import register
 
 
+def _placed(op, given: DistAttr | None) -> DistAttr:
+    dist = op.attrs["dist"]
+    pinned = op.attrs.get("mesh_dims")
+    if pinned is None:
+        return dist
+    return DistAttr(dist.mesh, tuple(
+        p if m in pinned else (Replicate() if given is None else given.placements[m])
+        for m, p in enumerate(dist.placements)))
+
+
 class Pinned:
     def forward(self, op, in_dists, mesh, available=None) -> Decision:
-        dist = op.attrs["dist"]
-        choices = tuple(MeshDimChoice(m, Option("annotation", "shard_tensor"), 0.0, ())
-                        for m in range(mesh.ndim))
+        dist = _placed(op, in_dists[0])
+        origin = Option("annotation", op.attrs.get("origin", "shard_tensor"))
+        choices = tuple(MeshDimChoice(m, origin, 0.0, ())
+                        for m in op.attrs.get("mesh_dims", range(mesh.ndim)))
         return Decision((dist,), (dist,), choices)
 
     def reverse(self, op, out_hints, mesh):
-        return (op.attrs["dist"],)
+        return (_placed(op, out_hints[0]),)
 
 
 register("autopar.annotate")(Pinned())
