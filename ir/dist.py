@@ -6,7 +6,10 @@ immutable and printable:
 * ``ProcessMesh`` — an n-D array of process ids with named dims. ``groups(dim)`` fixes the
   order in which every rank creates its c10d groups (a different order on two ranks hangs).
 * ``Shard(d)`` / ``Replicate()`` / ``Partial(op)`` — one placement per mesh dim, the same
-  vocabulary as DTensor and OneFlow SBP.
+  vocabulary as DTensor and OneFlow SBP. ``Shard(d, groups=g)`` is a grouped shard (DTensor's
+  ``_StridedShard``, Megatron's interleaved fused qkv): dim ``d`` is viewed as ``(g, n/g)``
+  and the inner part is chunked, so a rank holds its chunk of every group, in group order.
+  Its piece is not one slice: ``local_runs`` gives the index runs, ``local_slices`` refuses.
 * ``DistAttr(mesh, placements)`` — what completion writes into ``Value.dist``; its ``str`` is
   the compact, stable text IR dumps print after the value's type.
 * Chunk arithmetic with ``torch.chunk`` semantics (uneven allowed; chunk size ``ceil(n/k)``,
@@ -29,7 +32,7 @@ import torch
 __all__ = [
     "ProcessMesh", "Placement", "Shard", "Replicate", "Partial", "PARTIAL_OPS", "DistAttr",
     "local_size", "local_offset", "local_shape", "local_offsets", "local_slices",
-    "shard_tensor_local", "assemble", "format_placements", "parse_placements",
+    "local_runs", "is_grouped", "chunk_grouped", "cat_grouped", "shard_tensor_local", "assemble", "format_placements", "parse_placements",
 ]
 
 Coordinate = tuple[int, ...]
@@ -250,16 +253,28 @@ class Shard(Placement):
 
     ``dim`` is non-negative: a negative dim would make ``Shard(-1)`` and ``Shard(1)`` unequal
     spellings of one placement; normalise with ``dim % ndim`` first.
+
+    ``groups=g`` views the dim as ``(g, size/g)`` and chunks the inner part: the rank holds
+    its chunk of each group, groups in order (a fused ``[q; k; v]`` weight cut so that every
+    rank holds its heads of q, k and v). ``Shard(d)`` is ``Shard(d, groups=1)``.
     """
 
     dim: int
+    groups: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
             raise ValueError(f"Shard(dim={self.dim!r}): dim must be a non-negative int")
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"Shard(dim={self.dim}, groups={self.groups!r}): groups must be "
+                             "a positive int")
+
+    @property
+    def grouped(self) -> bool:
+        return self.groups > 1
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.groups == 1 else f"S({self.dim})x{self.groups}"
 
 
 @dataclass(frozen=True)
@@ -289,20 +304,20 @@ def format_placements(placements: Iterable[Placement]) -> str:
     return "{" + ",".join(str(p) for p in placements) + "}"
 
 
-_PLACEMENT_TEXT = re.compile(r"^(?:S\((\d+)\)|R|P(?:\((sum|avg|max|min)\))?)$")
+_PLACEMENT_TEXT = re.compile(r"^(?:S\((\d+)\)(?:x(\d+))?|R|P(?:\((sum|avg|max|min)\))?)$")
 
 
 def parse_placements(text: str) -> tuple[Placement, ...]:
-    """Inverse of ``format_placements``: ``"S(0),R"`` or ``"{S(0),P(sum)}"``."""
+    """Inverse of ``format_placements``: ``"S(0),R"``, ``"{S(0),P(sum)}"``, ``"S(0)x3"``."""
     items = [t.strip() for t in text.strip().strip("{}").split(",") if t.strip()]
     placements: list[Placement] = []
     for item in items:
         match = _PLACEMENT_TEXT.match(item)
         if match is None:
             raise ValueError(f"cannot read placement {item!r} in {text!r}: expected S(<dim>), "
-                             "R or P(sum|avg|max|min)")
-        shard, op = match.groups()
-        placements.append(Shard(int(shard)) if shard is not None
+                             "S(<dim>)x<groups>, R or P(sum|avg|max|min)")
+        shard, groups, op = match.groups()
+        placements.append(Shard(int(shard), int(groups or 1)) if shard is not None
                           else Replicate() if item == "R" else Partial(op or "sum"))
     return tuple(placements)
 
@@ -335,12 +350,15 @@ class DistAttr:
         return cls(mesh, (Replicate(),) * mesh.ndim)
 
     def check(self, shape: Sequence[int]) -> DistAttr:
-        """Raise ValueError unless every Shard dim exists in a tensor of ``shape``."""
+        """Raise ValueError unless every Shard dim exists in a tensor of ``shape`` and every
+        grouped shard's piece (before its mesh dim cuts it) divides into its groups."""
         bad = [p for p in self.placements if p.is_shard() and p.dim >= len(shape)]
         if bad:
             raise ValueError(f"DistAttr {format_placements(self.placements)} on {self.mesh} "
                              f"shards dim {bad[0].dim} of a tensor of shape {list(shape)} "
                              f"({len(shape)} dims)")
+        if is_grouped(self.placements):
+            _check_groups(shape, self.mesh, self.placements)
         return self
 
     def with_placement(self, mesh_dim: int | str, placement: Placement) -> DistAttr:
@@ -403,9 +421,14 @@ def local_offsets(global_shape: Sequence[int], mesh: ProcessMesh,
     """(local shape, global offset) of the piece at ``coordinate``.
 
     Shards of one tensor dim nest in mesh-dim order: each later mesh dim chunks the piece
-    the earlier ones left (DTensor's order), so offsets accumulate.
+    the earlier ones left (DTensor's order), so offsets accumulate. A grouped shard's piece
+    has no single offset: this refuses it (use ``local_runs``).
     """
     _check_coordinate(mesh, placements, coordinate)
+    if is_grouped(placements):
+        raise ValueError(f"{format_placements(placements)} on {mesh}: a grouped shard's piece "
+                         f"of shape {list(global_shape)} is not one slice (no single offset); "
+                         "use ir.dist.local_runs for its index runs")
     DistAttr(mesh, tuple(placements)).check(global_shape)
     size, start = list(global_shape), [0] * len(global_shape)
     for p, n, c in zip(placements, mesh.shape, coordinate):
@@ -418,15 +441,91 @@ def local_offsets(global_shape: Sequence[int], mesh: ProcessMesh,
 def local_shape(global_shape: Sequence[int], mesh: ProcessMesh,
                 placements: Sequence[Placement], coordinate: Sequence[int]) -> tuple[int, ...]:
     """Shape of the piece the rank at ``coordinate`` holds."""
+    if is_grouped(placements):
+        return tuple(sum(b - a for a, b in runs)
+                     for runs in local_runs(global_shape, mesh, placements, coordinate))
     return local_offsets(global_shape, mesh, placements, coordinate)[0]
 
 
 def local_slices(global_shape: Sequence[int], mesh: ProcessMesh,
                  placements: Sequence[Placement], coordinate: Sequence[int]
                  ) -> tuple[slice, ...]:
-    """Index of the rank's piece in the global tensor: ``full[local_slices(...)]``."""
+    """Index of the rank's piece in the global tensor: ``full[local_slices(...)]``.
+    Refuses grouped shards (their piece is several runs: ``local_runs``)."""
     size, start = local_offsets(global_shape, mesh, placements, coordinate)
     return tuple(slice(o, o + n) for o, n in zip(start, size))
+
+
+Runs = tuple[tuple[int, int], ...]
+
+
+def is_grouped(placements: Iterable[Placement]) -> bool:
+    """Whether any placement is a grouped shard (``Shard(d, groups>1)``)."""
+    return any(isinstance(p, Shard) and p.groups > 1 for p in placements)
+
+
+def _sub_runs(runs: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Positions ``[lo, hi)`` of the index sequence that ``runs`` spell, as global runs."""
+    out, pos = [], 0
+    for a, b in runs:
+        start, stop = max(lo, pos), min(hi, pos + b - a)
+        if start < stop:
+            out.append((a + start - pos, a + stop - pos))
+        pos += b - a
+    return out
+
+
+def _cut_runs(runs: Sequence[tuple[int, int]], n: int, index: int, groups: int,
+              what: str) -> list[tuple[int, int]]:
+    """Chunk ``index`` of ``n`` of each of the ``groups`` equal groups of the piece ``runs``
+    spell, groups in order; adjacent runs merged."""
+    length = sum(b - a for a, b in runs)
+    if length % groups:
+        raise ValueError(f"{what}: a piece of size {length} does not divide into "
+                         f"{groups} groups")
+    width = length // groups
+    start, size = local_offset(width, n, index), local_size(width, n, index)
+    out: list[tuple[int, int]] = []
+    for k in range(groups):
+        for a, b in _sub_runs(runs, k * width + start, k * width + start + size):
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+    return out
+
+
+def local_runs(global_shape: Sequence[int], mesh: ProcessMesh,
+               placements: Sequence[Placement], coordinate: Sequence[int]
+               ) -> tuple[Runs, ...]:
+    """Per tensor dim, the global index runs ``(start, stop)`` the rank's piece holds, in
+    the order they lie in the piece: one run for a plain shard or a whole dim (an empty
+    piece: no run), one per group (merged where adjacent) for a grouped shard. Mesh dims
+    cut in order, each cutting the piece the earlier ones left."""
+    _check_coordinate(mesh, placements, coordinate)
+    dist = DistAttr(mesh, tuple(placements))
+    if any(p.is_shard() and p.dim >= len(global_shape) for p in placements):
+        dist.check(global_shape)
+    runs: list[list[tuple[int, int]]] = [[(0, n)] if n else [] for n in global_shape]
+    for p, n, c in zip(placements, mesh.shape, coordinate):
+        if isinstance(p, Shard):
+            runs[p.dim] = _cut_runs(runs[p.dim], n, c, p.groups,
+                                    f"{format_placements(placements)} on {mesh}, shape "
+                                    f"{list(global_shape)}")
+    return tuple(tuple(r) for r in runs)
+
+
+def _check_groups(shape: Sequence[int], mesh: ProcessMesh,
+                  placements: Sequence[Placement]) -> None:
+    """Every piece a grouped shard cuts divides into its groups (on every coordinate of
+    the mesh dims that shard the same tensor dim)."""
+    for d in {p.dim for p in placements if isinstance(p, Shard) and p.groups > 1}:
+        cutting = [m for m, p in enumerate(placements) if p.is_shard(d)]
+        for coords in itertools.product(*(range(mesh.shape[m]) for m in cutting)):
+            coordinate = [0] * mesh.ndim
+            for m, c in zip(cutting, coords):
+                coordinate[m] = c
+            local_runs(shape, mesh, placements, coordinate)
 
 
 # --------------------------------------------------------------------------- reference semantics
@@ -447,7 +546,14 @@ def shard_tensor_local(tensor: torch.Tensor, mesh: ProcessMesh,
     Returns a fresh contiguous tensor, never a view, so a rank updating its piece in place
     (an optimizer step in the simulator) cannot touch the others' pieces.
     """
-    piece = tensor[local_slices(tensor.shape, mesh, placements, coordinate)]
+    if is_grouped(placements):
+        piece = tensor
+        for d, runs in enumerate(local_runs(tensor.shape, mesh, placements, coordinate)):
+            if runs != ((0, tensor.shape[d]),):
+                piece = torch.cat([piece.narrow(d, a, b - a) for a, b in runs] or
+                                  [piece.narrow(d, 0, 0)], dim=d)
+    else:
+        piece = tensor[local_slices(tensor.shape, mesh, placements, coordinate)]
     if not _keeps_partial_value(placements, coordinate):
         return torch.zeros_like(piece, memory_format=torch.contiguous_format)
     return piece.clone(memory_format=torch.contiguous_format)
@@ -471,12 +577,40 @@ def _fold(pieces: Mapping[Coordinate, torch.Tensor], p: Placement,
     for prefix in {c[:-1] for c in pieces}:
         row = [pieces[prefix + (i,)] for i in range(n)]
         if isinstance(p, Shard):
-            out[prefix] = torch.cat(row, dim=p.dim)
+            out[prefix] = cat_grouped(row, p.dim, p.groups)
         elif isinstance(p, Partial):
             out[prefix] = _reduce(row, p.op)
         else:
             out[prefix] = row[0]
     return out
+
+
+def chunk_grouped(x: torch.Tensor, dim: int, n: int, index: int, groups: int = 1
+                  ) -> torch.Tensor:
+    """What ``Shard(dim, groups)`` keeps of ``x`` at index ``index`` of ``n``: chunk
+    ``index`` (torch.chunk sizes) of each of the ``groups`` equal parts of ``dim``, in
+    group order. A new tensor, never a view."""
+    size = x.shape[dim]
+    if size % groups:
+        raise ValueError(f"chunk_grouped: dim {dim} of size {size} does not divide into "
+                         f"{groups} groups")
+    width = size // groups
+    start, length = local_offset(width, n, index), local_size(width, n, index)
+    return torch.cat([x.narrow(dim, k * width + start, length) for k in range(groups)], dim)
+
+
+def cat_grouped(pieces: Sequence[torch.Tensor], dim: int, groups: int = 1) -> torch.Tensor:
+    """Inverse of ``chunk_grouped`` over every index: each piece holds ``groups`` equal
+    blocks; the result lays group k's blocks of all pieces, in order, before group k+1."""
+    if groups == 1:
+        return torch.cat(list(pieces), dim=dim)
+    for piece in pieces:
+        if piece.shape[dim] % groups:
+            raise ValueError(f"cat_grouped: a piece of size {piece.shape[dim]} along dim "
+                             f"{dim} does not hold {groups} equal blocks")
+    blocks = [piece.split(piece.shape[dim] // groups, dim=dim) if piece.shape[dim] else
+              (piece,) * groups for piece in pieces]
+    return torch.cat([b[k] for k in range(groups) for b in blocks], dim=dim)
 
 
 def assemble(pieces: Mapping[Sequence[int], torch.Tensor], global_shape: Sequence[int],

@@ -17,6 +17,8 @@ Validity of a step in a state (why each rule exists):
   blocks have no exact equal-split all_to_all, so gather + slice is planned instead.
   All-gather and reduce-scatter stay exact for uneven torch.chunk sizes by padding to
   ``n * ceil(size / n)`` and trimming, so they need no such check.
+* A grouped shard (``S(t)xg``) is reached only where every piece it cuts divides into its
+  groups; it has no all-to-all (S <-> S with a grouped side goes through R).
 * New partials (R -> P) cost nothing and are valid anywhere: the extra terms are zeros
   (sum) or copies (avg/max/min), which every reduction order folds back to the value.
 """
@@ -74,6 +76,16 @@ def step_is_valid(step: Step, shape: Sequence[int], mesh: ProcessMesh,
         return False
     if isinstance(step, AllToAll):
         return _splits_evenly(shape, mesh, state, d, (step.from_dim, step.to_dim))
+    if getattr(step, "groups", 1) > 1 and isinstance(step, (ReduceScatter, Slice)):
+        return _groups_divide(shape, mesh, step.advance(state))
+    return True
+
+
+def _groups_divide(shape: Sequence[int], mesh: ProcessMesh, state: State) -> bool:
+    try:
+        DistAttr(mesh, state).check(shape)
+    except ValueError:
+        return False
     return True
 
 

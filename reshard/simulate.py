@@ -10,6 +10,11 @@ torch.chunk returns fewer chunks):
 * reduce_scatter(t, op):   chunk(op-reduce(group pieces), t, i)
 * all_gather(t):           cat(group pieces in group order, dim=t)
 * slice(t):                chunk(own piece, t, i)
+
+With ``g`` groups (a grouped shard, ``S(t)xg``) chunk and cat work group by group
+(``ir.dist.chunk_grouped`` / ``cat_grouped``): chunk i of each of the g equal parts of dim
+t, in group order; all_gather puts every rank's block of group k before group k+1.
+
 * all_to_all(f -> t):      chunk(cat(group pieces, dim=f), t, i)  — what a real all_to_all
                            delivers when the blocks split evenly (the planner ensures it)
 * make_partial(op):        sum: index 0 keeps its piece, the others hold zeros;
@@ -23,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..ir.dist import ProcessMesh, local_offset, local_size
+from ..ir.dist import ProcessMesh, cat_grouped, chunk_grouped, local_offset, local_size
 from .steps import (AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice,
                     Step)
 
@@ -68,14 +73,18 @@ def _all_reduce(s: AllReduce, i: int, n: int, group: list[torch.Tensor]) -> torc
 
 def _reduce_scatter(s: ReduceScatter, i: int, n: int,
                     group: list[torch.Tensor]) -> torch.Tensor:
+    if s.groups > 1:
+        return chunk_grouped(_reduce(group, s.op), s.tensor_dim, n, i, s.groups)
     return _chunk(_reduce(group, s.op), s.tensor_dim, n, i)
 
 
 def _all_gather(s: AllGather, i: int, n: int, group: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(group, dim=s.tensor_dim)
+    return cat_grouped(group, s.tensor_dim, s.groups)
 
 
 def _slice(s: Slice, i: int, n: int, group: list[torch.Tensor]) -> torch.Tensor:
+    if s.groups > 1:
+        return chunk_grouped(group[i], s.tensor_dim, n, i, s.groups)
     return _chunk(group[i], s.tensor_dim, n, i)
 
 

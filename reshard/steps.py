@@ -9,13 +9,14 @@ real collectives.
 | step | src -> dst on its mesh dim |
 |---|---|
 | AllReduce(d, op)           | P(op) -> R |
-| ReduceScatter(d, t, op)    | P(op) -> S(t) |
-| AllGather(d, t)            | S(t) -> R |
-| Slice(d, t)                | R -> S(t), local, no communication |
-| AllToAll(d, f, t)          | S(f) -> S(t) |
+| ReduceScatter(d, t, op, g) | P(op) -> S(t)xg |
+| AllGather(d, t, g)         | S(t)xg -> R |
+| Slice(d, t, g)             | R -> S(t)xg, local, no communication |
+| AllToAll(d, f, t)          | S(f) -> S(t) (plain shards only) |
 | MakePartial(d, op)         | R -> P(op) (sum: index 0 keeps the value, others zeros) |
 
-S -> P and P(x) -> P(y) have no step of their own: they go through R.
+S -> P and P(x) -> P(y) have no step of their own: they go through R, as does any
+S -> S where either side is a grouped shard (``g`` > 1: ``Shard(t, groups=g)``).
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ def parent_shape(shape: Sequence[int], mesh: ProcessMesh, placements: Sequence[P
     coord = tuple(coordinate) if coordinate is not None else (0,) * mesh.ndim
     rest = tuple(placements[:mesh_dim]) + (Replicate(),) + tuple(placements[mesh_dim + 1:])
     return local_shape(shape, mesh, rest, coord)
+
+
+def _groups_text(groups: int) -> str:
+    return "" if groups == 1 else f", {groups} groups"
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class AllReduce(Step):
 class ReduceScatter(Step):
     tensor_dim: int = 0
     op: str = "sum"
+    groups: int = 1
     kind: ClassVar[str] = "reduce_scatter"
 
     @property
@@ -108,32 +114,34 @@ class ReduceScatter(Step):
 
     @property
     def dst(self) -> Placement:
-        return Shard(self.tensor_dim)
+        return Shard(self.tensor_dim, self.groups)
 
     def _args(self) -> str:
-        return f"{self.op}, dim {self.tensor_dim}"
+        return f"{self.op}, dim {self.tensor_dim}{_groups_text(self.groups)}"
 
 
 @dataclass(frozen=True)
 class AllGather(Step):
     tensor_dim: int = 0
+    groups: int = 1
     kind: ClassVar[str] = "all_gather"
 
     @property
     def src(self) -> Placement:
-        return Shard(self.tensor_dim)
+        return Shard(self.tensor_dim, self.groups)
 
     @property
     def dst(self) -> Placement:
         return Replicate()
 
     def _args(self) -> str:
-        return f"dim {self.tensor_dim}"
+        return f"dim {self.tensor_dim}{_groups_text(self.groups)}"
 
 
 @dataclass(frozen=True)
 class Slice(Step):
     tensor_dim: int = 0
+    groups: int = 1
     kind: ClassVar[str] = "slice"
 
     @property
@@ -142,10 +150,10 @@ class Slice(Step):
 
     @property
     def dst(self) -> Placement:
-        return Shard(self.tensor_dim)
+        return Shard(self.tensor_dim, self.groups)
 
     def _args(self) -> str:
-        return f"dim {self.tensor_dim}"
+        return f"dim {self.tensor_dim}{_groups_text(self.groups)}"
 
 
 @dataclass(frozen=True)
@@ -196,14 +204,14 @@ def transition(mesh_dim: int, src: Placement, dst: Placement, axis: str = "") ->
         if isinstance(dst, Replicate):
             return AllReduce(mesh_dim, src.op, axis=axis)
         if isinstance(dst, Shard):
-            return ReduceScatter(mesh_dim, dst.dim, src.op, axis=axis)
+            return ReduceScatter(mesh_dim, dst.dim, src.op, dst.groups, axis=axis)
         return None
     if isinstance(src, Shard):
         if isinstance(dst, Replicate):
-            return AllGather(mesh_dim, src.dim, axis=axis)
-        if isinstance(dst, Shard):
+            return AllGather(mesh_dim, src.dim, src.groups, axis=axis)
+        if isinstance(dst, Shard) and src.groups == dst.groups == 1:
             return AllToAll(mesh_dim, src.dim, dst.dim, axis=axis)
         return None
     if isinstance(dst, Shard):
-        return Slice(mesh_dim, dst.dim, axis=axis)
+        return Slice(mesh_dim, dst.dim, dst.groups, axis=axis)
     return MakePartial(mesh_dim, dst.op, axis=axis)

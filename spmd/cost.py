@@ -28,7 +28,8 @@ def collective(src: Placement, dst: Placement) -> str:
         if isinstance(dst, Replicate):
             return "all_gather"
         if isinstance(dst, Shard):
-            return "all_to_all"
+            # a grouped shard has no all-to-all of its own: gather, then slice
+            return "all_to_all" if src.groups == dst.groups == 1 else "all_gather+slice"
         return "all_gather+partial"        # S -> P goes through R
     if isinstance(dst, Shard):
         return "slice"
@@ -51,6 +52,7 @@ def reshard_bytes(src: Placement | None, dst: Placement, full_bytes: float, n: i
         "all_gather": ring,
         "all_to_all": ring / n,
         "all_gather+partial": ring,
+        "all_gather+slice": ring + SLICE_WEIGHT * full_bytes / n,
         "slice": SLICE_WEIGHT * full_bytes / n,
         "make_partial": 0.0,
     }[kind]

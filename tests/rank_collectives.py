@@ -45,6 +45,20 @@ def cases(mesh: ProcessMesh):
     if mesh.ndim == 2:
         for src, dst, shape, _ in NESTED:
             yield shape, parse_placements(src), parse_placements(dst)
+    for src, dst, shape in GROUPED.get(mesh.ndim, ()):
+        yield shape, parse_placements(src), parse_placements(dst)
+
+
+# grouped shards (a fused qkv's interleaved layout): to and from R, P and plain shards;
+# (15, 6) over 4 ranks cuts groups of 5 rows into 2, 2, 1 and 0
+GROUPED = {
+    1: [(s, d, shape) for s, d in [("S(0)x3", "R"), ("R", "S(0)x3"), ("P(sum)", "S(0)x3"),
+                                   ("S(0)x3", "S(1)"), ("P(max)", "S(0)x3")]
+        for shape in [(12, 8), (15, 6)]],
+    2: [("R,S(0)x3", "R,R", (12, 4)), ("P(sum),S(0)x3", "S(1),S(0)x3", (12, 4)),
+        ("S(0),S(0)x3", "R,R", (12, 4)), ("R,P(sum)", "S(0),S(0)x3", (18, 4)),
+        ("S(0)x3,S(0)", "R,R", (18, 4))],
+}
 
 
 def check_case(mesh, groups, shape, src, dst, seed) -> list[str]:

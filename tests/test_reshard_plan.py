@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from autopar.ir.dist import (PARTIAL_OPS, DistAttr, Partial, ProcessMesh, Replicate, Shard,
-                             assemble, local_offset, local_size, parse_placements,
+                             assemble, chunk_grouped, parse_placements,
                              shard_tensor_local)
 from autopar.reshard import (AllGather, AllToAll, apply_steps, naive_plan, plan_cost,
                              plan_reshard, step_is_valid)
@@ -39,10 +39,8 @@ def make_pieces(glob, mesh, placements, gen):
     for p, n in zip(placements, mesh.shape):
         nxt = {}
         for c, x in pieces.items():
-            if isinstance(p, Shard):
-                size = x.shape[p.dim]
-                parts = [x.narrow(p.dim, local_offset(size, n, i), local_size(size, n, i))
-                         for i in range(n)]
+            if isinstance(p, Shard):      # grouped shards too (tests/test_grouped_shard.py)
+                parts = [chunk_grouped(x, p.dim, n, i, p.groups) for i in range(n)]
             elif isinstance(p, Partial):
                 parts = split_terms(x, p.op, n, gen)
             else:

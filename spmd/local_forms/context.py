@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ...ir.core import Op
-from ...ir.dist import DistAttr, ProcessMesh, Shard, local_offsets
+from ...ir.dist import (DistAttr, ProcessMesh, Shard, format_placements, is_grouped,
+                        local_offsets, local_shape)
 
 
 class UnsupportedLocalForm(NotImplementedError):
@@ -49,11 +50,14 @@ class LocalContext:
 
     def out_offsets(self, op: Op, index: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(local shape, global offset) of this rank's piece of output ``index``."""
-        return local_offsets(op.outputs[index].type.shape, self.mesh,
-                             self.out_placements(index), self.coordinate)
+        placements = self.out_placements(index)
+        _refuse_grouped(op, placements, f"output {index}")
+        return local_offsets(op.outputs[index].type.shape, self.mesh, placements,
+                             self.coordinate)
 
     def out_shape(self, op: Op, index: int = 0) -> tuple[int, ...]:
-        return self.out_offsets(op, index)[0]
+        return local_shape(op.outputs[index].type.shape, self.mesh,
+                           self.out_placements(index), self.coordinate)
 
     def out_bounds(self, op: Op, index: int = 0) -> tuple[tuple[int, int], ...]:
         """(start, stop) per dim of this rank's piece of output ``index``."""
@@ -64,8 +68,19 @@ class LocalContext:
     def in_offsets(self, op: Op, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(local shape, global offset) of this rank's piece of tensor input ``index``."""
         value = [v for v in op.inputs if v.is_tensor][index]
+        _refuse_grouped(op, self.needs[index].placements, f"tensor input {index}")
         return local_offsets(value.type.shape, self.mesh, self.needs[index].placements,
                              self.coordinate)
 
     def in_shard_mesh_dims(self, index: int, tensor_dim: int) -> list[int]:
         return self.needs[index].shard_mesh_dims(tensor_dim)
+
+
+def _refuse_grouped(op: Op, placements, what: str) -> None:
+    """A local form that reads a piece's offsets cannot serve a grouped shard (its piece is
+    several runs of the global dim): refuse by name rather than compute a wrong offset."""
+    if is_grouped(placements):
+        raise UnsupportedLocalForm(
+            f"{op.target} ({op.module or 'top level'}): its local form reads the global "
+            f"offset of {what}, placed {format_placements(placements)}, but a grouped "
+            "shard's piece has no single offset")

@@ -54,6 +54,20 @@ def _shape_arg(op: Op, ctx: LocalContext) -> LocalCall | None:
                      "local shape")
 
 
+@register_local_form("aten.split.Tensor", "aten.split_with_sizes.default")
+def _split(op: Op, ctx: LocalContext) -> LocalCall | None:
+    """A split along a sharded dim (only along a grouped shard's group boundaries, see
+    spmd/rules/views.py) cuts the rank's piece into the outputs' local pieces: the global
+    split sizes become the local ones."""
+    shape = [v for v in op.inputs if v.is_tensor][0].type.shape
+    d = (op.args[2] if len(op.args) > 2 else op.kwargs.get("dim", 0)) % len(shape)
+    if not ctx.in_shard_mesh_dims(0, d):
+        return None
+    sizes = [ctx.out_shape(op, i)[d] for i in range(len(op.outputs))]
+    return LocalCall("aten.split_with_sizes.default", (op.args[0], sizes, d), {},
+                     "split into the local pieces")
+
+
 # ----------------------------------------------------------------------------------------
 # position-dependent ops
 # ----------------------------------------------------------------------------------------

@@ -3,17 +3,32 @@ through (``linear="sum"`` with all four reduce ops) and no letter may vanish int
 reduction (``reduce=None``). A dim the op cuts, pads, gathers, repeats or reverses is
 replicated; reshapes come from dim transforms (``dim_transforms.py``).
 
+A grouped shard (``S(d)xg``: each rank holds its chunk of each of g equal parts of dim d)
+survives a cut along d that falls on group boundaries: ``split`` into pieces of whole
+groups gives each piece the groups it covers (``S(d)x3`` split in 3 -> three plain
+``S(d)``: a fused qkv projection's q, k, v keep their heads sharded), and ``cat`` of pieces
+whose groups are all as wide gives the groups of all of them (the backward of that split).
+Any other cut of a sharded dim still replicates it. A reshape of ``S(d)xg`` into
+``(g, rest...)`` (``qkv.view(B, T, 3, H, hd)``) is a plain shard of ``rest``'s first dim:
+each rank holds its chunk of every group. The inverse (flattening ``(g, a, ...)`` with
+``a`` sharded) would be ``S(d)xg`` too, but any inner shard of a flatten would then become
+a grouped shard (a sequence-parallel ``[B, T, C] -> [B*T, C]`` as ``S(0)xB``), so a flatten
+keeps the view spec's rule (the inner shard is gathered).
+
 Letters follow the op's own semantics (what ``unsqueeze(dim)`` does to a local piece), not
 its output shape: a size-1 dim that is sharded holds size 0 on some ranks, and a local
 unsqueeze/squeeze must still line up with the global one.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 from ...ir.core import Op
-from ..dim_transforms import MOVE_PARTIALS, view_spec
-from ..registry import register, tensor_inputs
+from ...ir.dist import DistAttr, ProcessMesh, Replicate, Shard
+from ..dim_transforms import MOVE_PARTIALS, view_groups, view_spec
+from ..einsum import Decision, MeshDimChoice, Option, infer_forward, infer_reverse
+from ..registry import describe, output_types, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
 
 
@@ -52,8 +67,6 @@ def _insert(s: str, d: int, c: str = UNSHARDABLE) -> str:
 
 # --------------------------------------------------------------------- reshapes
 
-@register("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-          "aten._reshape_alias.default")
 def view(op: Op) -> Spec:
     # Shapes from the value types: the size argument may hold -1.
     return view_spec(_shape(op), _out_shape(op))
@@ -154,7 +167,6 @@ def roll(op: Op) -> Spec:
 
 # --------------------------------------------------------------------- cutting and joining
 
-@register("aten.split.Tensor", "aten.split_with_sizes.default")
 def split(op: Op) -> Spec:
     a = letters(len(_shape(op)))
     d = _dim(_param(op, 2, "dim", 0), len(a))
@@ -168,7 +180,6 @@ def unbind(op: Op) -> Spec:
     return _move([a[:d] + UNSHARDABLE + a[d + 1:]], [_drop(a, d)] * len(op.outputs))
 
 
-@register("aten.cat.default")
 def cat(op: Op) -> Spec:
     out = letters(len(_out_shape(op)))
     d = _dim(_param(op, 1, "dim", 0), len(out))
@@ -215,3 +226,181 @@ def select_backward(op: Op) -> Spec:
     a = letters(len(_shape(op)))
     d = _dim(_param(op, 2, "dim"), len(a) + 1)
     return _move([a], [_insert(a, d)])
+
+
+# --------------------------------------------------------------------- cuts along groups
+
+def _only_cut(dist: DistAttr | None, d: int) -> tuple[int, Shard] | None:
+    """(mesh dim, shard) when exactly one mesh dim of more than one rank cuts dim ``d``."""
+    if dist is None:
+        return None
+    cuts = [(m, p) for m, p in enumerate(dist.placements) if p.is_shard(d)]
+    return cuts[0] if len(cuts) == 1 and dist.mesh.shape[cuts[0][0]] > 1 else None
+
+
+def _groups_of(sizes: Sequence[int], width: int) -> list[int] | None:
+    """How many groups of ``width`` each size holds, or None where one does not divide."""
+    if width <= 0 or any(n % width for n in sizes):
+        return None
+    return [n // width for n in sizes]
+
+
+def _masked(dist: DistAttr | None, m: int) -> DistAttr | None:
+    return None if dist is None else dist.with_placement(m, Replicate())
+
+
+class GroupedCut:
+    """``split`` / ``cat`` along a dim: the spec's rule (the cut dim replicated), except on
+    a mesh dim where the cut falls on the boundaries of a grouped shard. There the cut dim
+    keeps its shard at no cost and the other mesh dims infer as the spec says.
+
+    ``groups_of(op, placement, input)`` -> (groups each input needs, groups each output
+    gets) from one tensor's shard of the cut dim, or None where the cut does not fit it.
+    """
+
+    def __init__(self, spec_of: Callable[[Op], Spec], cut_dim: Callable[[Op], int],
+                 groups_of: Callable[[Op, Shard, int | None], tuple[list, list] | None]):
+        self.spec_of, self.cut_dim, self.groups_of = spec_of, cut_dim, groups_of
+
+    def spec(self, op: Op) -> Spec:
+        return self.spec_of(op)
+
+    def _types(self, op: Op):
+        return [v.type for v in tensor_inputs(op)], output_types(op)
+
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
+                available=None) -> Decision:
+        d, ins, outs = self.cut_dim(op), *self._types(op)
+        found = next(((i, c) for i, dist in enumerate(in_dists)
+                      if (c := _only_cut(dist, d)) is not None), None)
+        fit = found and self.groups_of(op, found[1][1], found[0])
+        if fit and all(dist is None or _only_cut(dist, d) == (found[1][0], Shard(d, g))
+                       for dist, g in zip(in_dists, fit[0])):
+            m = found[1][0]
+            decision = infer_forward(self.spec_of(op), mesh, ins, outs,
+                                     [_masked(x, m) for x in in_dists], describe(op),
+                                     available)
+            return self._keep(decision, m, d, fit, found[1][1])
+        return infer_forward(self.spec_of(op), mesh, ins, outs, in_dists, describe(op),
+                             available)
+
+    def _keep(self, decision: Decision, m: int, d: int, fit, shard: Shard) -> Decision:
+        needs = tuple(x.with_placement(m, Shard(d, g)) for x, g in zip(decision.needs, fit[0]))
+        outputs = tuple(None if x is None else x.with_placement(m, Shard(d, g))
+                        for x, g in zip(decision.outputs, fit[1]))
+        keep = MeshDimChoice(m, Option("shard", f"dim {d} along its groups", shard.groups),
+                             0.0, ())
+        choices = tuple(keep if c.mesh_dim == m else c for c in decision.choices)
+        return replace(decision, needs=needs, outputs=outputs, choices=choices)
+
+    def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
+                ) -> tuple[DistAttr, ...]:
+        d, ins, outs = self.cut_dim(op), *self._types(op)
+        found = next(((o, c) for o, hint in enumerate(out_hints)
+                      if (c := _only_cut(hint, d)) is not None), None)
+        fit = found and self.groups_of(op, found[1][1], None)
+        if not fit:
+            return infer_reverse(self.spec_of(op), mesh, ins, outs, out_hints, describe(op))
+        m = found[1][0]
+        needs = infer_reverse(self.spec_of(op), mesh, ins, outs,
+                              [_masked(h, m) for h in out_hints], describe(op))
+        return tuple(x.with_placement(m, Shard(d, g)) for x, g in zip(needs, fit[0]))
+
+
+def _split_dim(op: Op) -> int:
+    return _dim(_param(op, 2, "dim", 0), len(_shape(op)))
+
+
+def _split_groups(op: Op, shard: Shard, index: int | None):
+    """The input's groups are whole in every piece: piece j gets the groups it covers. From
+    an output's shard (``index`` None, reverse) the group width is that piece's."""
+    d = _split_dim(op)
+    pieces = [o.type.shape[d] for o in op.outputs]
+    if index is not None:
+        width = _shape(op)[d] // shard.groups
+    else:
+        first = next(o for o in op.outputs if o.is_tensor)
+        width = first.type.shape[d] // shard.groups
+    groups = _groups_of(pieces, width)
+    total = _groups_of([_shape(op)[d]], width)
+    return None if groups is None or total is None else (total, groups)
+
+
+def _cat_dim(op: Op) -> int:
+    return _dim(_param(op, 1, "dim", 0), len(_out_shape(op)))
+
+
+def _cat_groups(op: Op, shard: Shard, index: int | None):
+    """Every piece is whole groups of one width (an input's, or the output's in reverse);
+    the output holds all of them."""
+    d = _cat_dim(op)
+    tensors = tensor_inputs(op)
+    if any(len(t.type.shape) != len(_out_shape(op)) for t in tensors):
+        return None                 # a legacy empty 1-D input: the spec's rule
+    sizes = [t.type.shape[d] for t in tensors]
+    size = sizes[index] if index is not None else _out_shape(op)[d]
+    groups = _groups_of(sizes, size // shard.groups if size % shard.groups == 0 else 0)
+    return None if groups is None else (groups, [sum(groups)])
+
+
+register("aten.split.Tensor", "aten.split_with_sizes.default")(
+    GroupedCut(split, _split_dim, _split_groups))
+register("aten.cat.default")(GroupedCut(cat, _cat_dim, _cat_groups))
+
+
+# --------------------------------------------------------------------- reshapes of groups
+
+def _regrouped(src: Sequence[int], dst: Sequence[int], dist: DistAttr | None
+               ) -> tuple[int, Shard, Shard] | None:
+    """(mesh dim, its shard of ``src``, the shard of ``dst`` it becomes) for the first mesh
+    dim whose grouped shard a reshape ``src -> dst`` cuts into ``(groups, rest...)`` with
+    ``rest``'s first dim divisible by the mesh dim (module docstring), else None."""
+    if dist is None:
+        return None
+    for m, p in enumerate(dist.placements):
+        cut = _only_cut(dist, p.dim) if p.is_shard() else None
+        if cut is None or cut[0] != m:
+            continue
+        n = dist.mesh.shape[m]
+        ins, outs = next(g for g in view_groups(src, dst) if p.dim in g[0])
+        if p.groups > 1 and ins == (p.dim,) and len(outs) >= 2 and \
+                dst[outs[0]] == p.groups and dst[outs[1]] % n == 0:
+            return m, p, Shard(outs[1])
+    return None
+
+
+class GroupedView:
+    """A reshape: the view spec's rule, except on the mesh dim whose grouped shard it cuts
+    into its groups (``_regrouped``), which keeps its shard at no cost."""
+
+    def spec(self, op: Op) -> Spec:
+        return view(op)
+
+    def _types(self, op: Op):
+        return [v.type for v in tensor_inputs(op)], output_types(op)
+
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
+                available=None) -> Decision:
+        ins, outs = self._types(op)
+        hit = _regrouped(_shape(op), _out_shape(op), in_dists[0])
+        if hit is None:
+            return infer_forward(view(op), mesh, ins, outs, in_dists, describe(op), available)
+        m, before, after = hit
+        d = infer_forward(view(op), mesh, ins, outs, [_masked(in_dists[0], m)],
+                          describe(op), available)
+        keep = MeshDimChoice(m, Option("shard", f"dim {before.dim} regrouped as "
+                                       f"{after}", before.groups), 0.0, ())
+        return replace(d, needs=(d.needs[0].with_placement(m, before),),
+                       outputs=(d.outputs[0].with_placement(m, after),),
+                       choices=tuple(keep if c.mesh_dim == m else c for c in d.choices))
+
+    def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
+                ) -> tuple[DistAttr, ...]:
+        # A plain hint is never turned into a grouped input: that would change what every
+        # reshape of plain shards asks of its producer (grouped shards come from the plan).
+        ins, outs = self._types(op)
+        return infer_reverse(view(op), mesh, ins, outs, out_hints, describe(op))
+
+
+register("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+         "aten._reshape_alias.default")(GroupedView())
