@@ -21,6 +21,8 @@ test: $(VENV_STAMP)
 bench: $(VENV_STAMP)
 	$(PY) bench/serial.py
 	$(PY) bench/plan.py
+	$(PY) bench/dp_vs_ddp.py
+	$(PY) bench/tp_vs_dtensor.py
 
 clean:
 	rm -rf .venv

@@ -1,0 +1,149 @@
+"""Shared plumbing for the distributed benchmarks (``dp_vs_ddp.py``, ``tp_vs_dtensor.py``).
+
+``launch`` re-runs the calling script as ``world`` processes with torchrun's environment on
+a free loopback port (gloo, one thread per rank: the benchmarks compare runtimes, not
+kernels, and the ranks share the machine's cores). Rank 0 prints; any rank that fails stops
+the others and its output is shown. ``paired`` interleaves the steps of autopar and its
+torch baseline in the same processes, as ``bench/serial.py`` does on one device.
+
+A distributed step is as slow as its slowest rank, so each step's time is the largest over
+the ranks, and every step starts from a barrier, so a rank's wait for a late peer is never
+booked against the next step.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def in_rank() -> bool:
+    """Whether this process is one of the launched ranks (torchrun's environment is set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, argv: Sequence[str], world: int = 2, timeout: float = 900) -> int:
+    """Run ``script argv`` on ``world`` local ranks; returns 0 when every rank succeeded."""
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(world)]
+        procs = []
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                       # c10d's deprecation notices would bury the figures
+                       PYTHONWARNINGS="ignore::FutureWarning")
+            out = subprocess.PIPE if r == 0 else logs[r]     # rank 0 prints, filtered
+            procs.append(subprocess.Popen([sys.executable, script, *argv], env=env,
+                                          stdout=out, stderr=subprocess.STDOUT, text=True))
+        relay = threading.Thread(target=_relay, args=(procs[0].stdout,), daemon=True)
+        relay.start()
+        failure = _wait(procs, timeout)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        relay.join(timeout=5)
+        if failure:
+            print(f"{Path(script).name} on {world} ranks: {failure}", file=sys.stderr)
+            for r, log in enumerate(logs[1:], start=1):
+                log.seek(0)
+                print(f"--- rank {r} ---\n{log.read()[-3000:]}", file=sys.stderr)
+        for log in logs:
+            log.close()
+        return 1 if failure else 0
+
+
+def _relay(stream) -> None:
+    """Rank 0's output to this terminal, without the profiler's start/stop notices."""
+    for line in stream:
+        if not line.startswith("USDT:"):
+            print(line, end="", flush=True)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            return f"rank {failed[0]} exited with {codes[failed[0]]}"
+        if all(c == 0 for c in codes):
+            return ""
+        time.sleep(0.05)
+    return f"timed out after {timeout:.0f} s"
+
+
+def init() -> tuple[int, int]:
+    """Join the launch's gloo group (the baselines need it before autopar's first step)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def paired(steps: dict[str, Callable[[], object]], measured: int, warmup: int
+           ) -> dict[str, list[float]]:
+    """Each step function run ``warmup + measured`` times, interleaved; the measured
+    seconds of each step, the largest over the ranks."""
+    times = {name: [] for name in steps}
+    for i in range(warmup + measured):
+        for name, fn in steps.items():
+            t = _timed(fn)
+            if i >= warmup:
+                times[name].append(t)
+    for name, ts in times.items():
+        worst = torch.tensor(ts, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        times[name] = worst.tolist()
+    return times
+
+
+def report(times: dict[str, list[float]], ours: str, theirs: str) -> float:
+    """Print each median step time and the ratio ``ours / theirs``; returns the ratio."""
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    width = max(len(n) for n in medians)
+    for name, m in medians.items():
+        spread = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else [m, m, m]
+        print(f"{name:<{width}} median step {m * 1e3:8.2f} ms  "
+              f"(quartiles {spread[0] * 1e3:.2f} .. {spread[2] * 1e3:.2f})")
+    ratio = medians[ours] / medians[theirs]
+    print(f"ratio {ours}/{theirs}: {ratio:.3f}")
+    return ratio
+
+
+def state_bytes(tensors) -> int:
+    """Bytes held by the tensors (None entries, states not created yet, count nothing)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def finish() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,186 @@
+"""autopar tensor parallel vs DTensor ``parallelize_module``: training step time of the same
+GPT on 2 gloo ranks (tp2), paired in one run, and each rank's parameter + optimizer bytes.
+
+    .venv/bin/python bench/tp_vs_dtensor.py [--steps 30] [--profile]
+
+The script launches its own ranks (torchrun's environment on a free loopback port, one
+thread each). Both sides shard the same layers the Megatron way, ``qkv`` and ``fc1``
+column-parallel, ``proj`` and ``fc2`` row-parallel (``configs/tp.yaml`` without the
+vocab-parallel embedding, which DTensor's plan here does not have): autopar through its
+strategy and ``Engine.train_step``, DTensor through ``ColwiseParallel``/``RowwiseParallel``
+on a ``DeviceMesh("cpu", [0, 1])`` with the same AdamW. Every rank gets the same global
+batch.
+
+The GPT's attention splits the qkv output and views q/k/v with the *global* head count, so
+the DTensor side keeps qkv's output a DTensor (``use_local_output=False``): the split and
+views then run on DTensors with DTensor's own sharding rules, and the row-parallel ``proj``
+takes that DTensor as it is. DTensor has no sharding rule for CPU flash attention
+(``aten._scaled_dot_product_flash_attention_for_cpu``), so both sides run the GPT's explicit
+masked-softmax attention (``sdpa=False``; the same ops for both), the DTensor forward and
+backward under ``implicit_replication`` because the causal mask is a plain tensor.
+
+Both sides' losses are checked equal to single-device eager torch (fp32, rtol 1e-5) for a
+few steps before timing, so the comparison is between two correct implementations of the
+same plan. Then the steps alternate (warm-up first) and
+rank 0 prints the median step times (each step: the slowest rank), the ratio
+autopar/DTensor (< 1 means autopar is faster) and the bytes of state each rank holds.
+``--profile`` adds where autopar's step and DTensor's spend their time
+(``bench/profile_step.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import autopar as ap  # noqa: E402
+from autopar.models import GPT, GPTConfig  # noqa: E402
+from autopar.models.gpt import lm_loss  # noqa: E402
+from ranks import finish, in_rank, init, launch, paired, report, state_bytes  # noqa: E402
+
+CHECKED_STEPS = 3
+COLWISE, ROWWISE = ("attn.qkv", "fc1"), ("attn.proj", "fc2")
+
+
+def strategy(world: int) -> ap.Strategy:
+    plan = {f"blocks.*.{name}": "colwise" for name in COLWISE}
+    plan.update({f"blocks.*.{name}": "rowwise" for name in ROWWISE})
+    return ap.Strategy(mesh={"shape": [world], "dim_names": ["tp"]},
+                       tensor_parallel={"axis": "tp", "plan": plan})
+
+
+def dtensor_model(model: GPT, mesh: DeviceMesh) -> GPT:
+    """The model with DTensor's Megatron plan on the same layers as ``strategy``."""
+    plan = {}
+    for i in range(len(model.blocks)):
+        # qkv's output stays a DTensor: the attention splits and views it globally
+        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(use_local_output=False)
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.fc1"] = ColwiseParallel()
+        plan[f"blocks.{i}.fc2"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def _args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--profile", action="store_true")
+    return parser.parse_args(argv)
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    rank, world = init()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=4,
+                    n_embd=args.width, sdpa=False)
+    model = GPT(cfg)
+    eager, theirs_model = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+    y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=strategy(world))
+    mesh = DeviceMesh("cpu", list(range(world)))
+    theirs_model = dtensor_model(theirs_model, mesh)
+    dt_opt = torch.optim.AdamW(theirs_model.parameters(), lr=1e-3)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+
+    def torch_step(m, opt) -> float:
+        opt.zero_grad()
+        with implicit_replication():      # the causal mask is a plain tensor
+            loss = lm_loss(m(x), y)
+            loss.backward()
+        opt.step()
+        return float(_local(loss.detach()))
+
+    def dtensor_step() -> float:
+        return torch_step(theirs_model, dt_opt)
+
+    def autopar_step() -> float:
+        return engine.train_step(x, y)
+
+    _check_losses({"autopar": autopar_step, "DTensor": dtensor_step},
+                  lambda: torch_step(eager, eager_opt))
+    times = paired({"autopar": autopar_step, "DTensor": dtensor_step}, args.steps, args.warmup)
+    memory = _memory(engine, eager, eager_opt, theirs_model, dt_opt)
+    if rank == 0:
+        print(f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq} on every rank, "
+              f"AdamW, tensor parallel on {world} gloo ranks, "
+              f"{torch.get_num_threads()} thread(s) each")
+        report(times, "autopar", "DTensor")
+        _print_memory(memory, world)
+    if args.profile:
+        from profile_step import profile_pair
+        profile_pair(engine, autopar_step, "DTensor", dtensor_step, rank)
+    finish()
+
+
+def _check_losses(steps: dict, eager_step) -> None:
+    """Both parallel runs reproduce single-device eager losses step for step."""
+    for step in range(CHECKED_STEPS):
+        want = eager_step()
+        for name, fn in steps.items():
+            got = fn()
+            if abs(got - want) > 1e-6 + 1e-5 * abs(want):
+                raise AssertionError(f"step {step}: {name} loss {got:.7f} != eager {want:.7f}")
+
+
+def _local(t) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _memory(engine, eager, eager_opt, dt_model, dt_opt) -> dict[str, dict[str, int]]:
+    """Bytes of parameters and of optimizer state each side keeps (this rank's pieces),
+    the largest over the ranks."""
+    params = {n for n, _ in eager.named_parameters()}
+    pieces = engine._pieces.tensors
+    figures = {
+        "serial (one device)": (
+            state_bytes(p for p in eager.parameters()),
+            state_bytes(v for s in eager_opt.state.values() for v in s.values())),
+        "autopar tp, per rank": (
+            state_bytes(t for n, t in pieces.items() if n in params),
+            state_bytes(t for n, t in pieces.items() if n.rpartition("/")[0] in params)),
+        "DTensor tp, per rank": (
+            state_bytes(_local(p) for p in dt_model.parameters()),
+            state_bytes(_local(v) for s in dt_opt.state.values() for v in s.values())),
+    }
+    out = {}
+    for name, (p, o) in figures.items():
+        worst = torch.tensor([p, o], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out[name] = {"params": int(worst[0]), "optimizer": int(worst[1])}
+    return out
+
+
+def _print_memory(memory: dict[str, dict[str, int]], world: int) -> None:
+    serial = sum(memory["serial (one device)"].values())
+    print(f"parameter + AdamW state bytes (largest rank of {world}):")
+    for name, m in memory.items():
+        total = m["params"] + m["optimizer"]
+        print(f"  {name:<22} params {m['params'] / 2**20:7.3f} MiB + optimizer "
+              f"{m['optimizer'] / 2**20:7.3f} MiB = {total / 2**20:7.3f} MiB "
+              f"({total / serial:.0%} of serial)")
+
+
+if __name__ == "__main__":
+    if in_rank():
+        rank_main(_args())
+    else:
+        sys.exit(launch(__file__, sys.argv[1:]))
