@@ -12,6 +12,8 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--batch-size", type=int, default=16)
     demo.add_argument("--dump-dir", default="dumps/demo")
+    demo.add_argument("--strategy", default=None,
+                      help="strategy YAML (default: configs/dp_tp.yaml, 4 ranks)")
     plan = sub.add_parser(
         "plan", help="plan a training script for its whole mesh in this one process, write "
                      "the per-pass dumps and explain placements (no launcher needed)")
@@ -27,12 +29,25 @@ def main(argv: list[str] | None = None) -> None:
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.command == "demo":
-        from .demo import main as run_demo
-        run_demo(args.steps, args.batch_size, args.dump_dir)
+        run_demo(args, argv)
     elif args.command == "plan":
         from .engine.offline import plan_script
         print(plan_script(args.script, script_args, args.strategy, args.dump_dir,
                           args.explain))
+
+
+def run_demo(args: argparse.Namespace, argv: list[str]) -> None:
+    """Under torchrun (or for a one-rank strategy): one rank of the demo. Otherwise launch
+    the strategy's ranks through torchrun."""
+    import os
+
+    from . import Strategy
+    from .demo import DEFAULT_STRATEGY, launch, main as demo_main
+    strategy = args.strategy or str(DEFAULT_STRATEGY)
+    ranks = Strategy.from_yaml(strategy).world_size
+    if "WORLD_SIZE" not in os.environ and ranks > 1:
+        sys.exit(launch(argv[1:], ranks))
+    demo_main(args.steps, args.batch_size, args.dump_dir, strategy)
 
 
 if __name__ == "__main__":

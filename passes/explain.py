@@ -147,10 +147,14 @@ def planned_moves(program: Program) -> list[Move]:
     moves, seen = [], set()
     for op in program.ops:
         if op.kind is OpKind.COMM:
-            step, v = op.attrs["_step"], op.args[0]
-            moves.append(Move(op.attrs["_for"], op.module, op.attrs["_for_op"], v, step.axis,
-                              step.kind, step.cost(v.type.shape, v.dist.mesh,
-                                                   v.dist.placements, v.type.dtype.itemsize)))
+            # a bucket's start carries one step per gradient; its wait moves nothing
+            steps = op.attrs.get("_steps") or ((op.attrs["_step"],) if "_step" in op.attrs else ())
+            for step, v in zip(steps, op.args):
+                moves.append(Move(op.attrs["_for"], op.module,
+                                  op.attrs.get("_for_op", "optimizer"), v, step.axis,
+                                  step.kind, step.cost(v.type.shape, v.dist.mesh,
+                                                       v.dist.placements,
+                                                       v.type.dtype.itemsize)))
             continue
         for v, need in zip((v for v in op.inputs if v.is_tensor), op.needs):
             if need is None or v.dist is None or need == v.dist or (v, need) in seen:

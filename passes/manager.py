@@ -17,7 +17,9 @@ from .decompose_loss import decompose_loss
 from .explain import format_explanations
 from .fold_noops import fold_noops
 from .lower_optimizer import lower_optimizer
+from .bucket_collectives import bucket_collectives
 from .reshard import reshard
+from .vocab_parallel_loss import vocab_parallel_loss
 
 PassFn = Callable[[Program, PassContext], Program]
 
@@ -36,9 +38,11 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("dead_code", dead_code),
     Pass("clip_grad", clip_grad),
     Pass("lower_optimizer", lower_optimizer),
+    Pass("vocab_parallel_loss", vocab_parallel_loss),
     Pass("annotate", annotate),
     Pass("completion", completion, explains=True),
     Pass("reshard", reshard),
+    Pass("bucket_collectives", bucket_collectives),
 )
 
 

@@ -72,7 +72,9 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
         if comm is None or op not in comm:
             raise ValueError(f"codegen: {op.target} ({op.module or 'top level'}) has no bound "
                              "collective; a rank program needs its process groups")
-        return f"{lhs} = {em.constant(comm[op])}({names[op.args[0]]})"
+        if op.attrs.get("_multi"):
+            lhs += ","
+        return f"{lhs} = {em.constant(comm[op])}({', '.join(names[v] for v in op.args)})"
     if op.kind is OpKind.INPUT:
         return f"{lhs} = feeds[{op.attrs['name']!r}]"
     if op.kind is OpKind.STATE:

@@ -8,7 +8,10 @@ step time does no shape arithmetic.
 Uneven shards (torch.chunk sizes) travel padded to the largest piece and are cut back:
 gloo's all-gather refuses pieces of different sizes, and the padded fixed-size collectives
 are the fast ones on NCCL too. Members are ordered by their index along the mesh dim, not by
-c10d group rank (``MeshAxisGroup.order``).
+c10d group rank (``MeshAxisGroup.order``). A grouped shard (``S(t)xg``) moves the same
+blocks reordered: reduce-scatter sends member j its chunk of every group
+(``chunk_grouped``), all-gather lays the gathered blocks back group by group
+(``cat_grouped``).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..ir.core import Op
-from ..ir.dist import ProcessMesh, local_offset, local_shape, local_size
+from ..ir.dist import (ProcessMesh, cat_grouped, chunk_grouped, local_offset, local_shape,
+                       local_size)
 from ..reshard.steps import (AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter,
                              Slice, Step)
 from .process_groups import MeshAxisGroup, MeshGroups
@@ -39,10 +43,38 @@ def member_shapes(shape: Sequence[int], mesh: ProcessMesh, placements: Sequence,
             for j in range(mesh.shape[mesh_dim])]
 
 
-def bind_comm(op: Op, groups: MeshGroups) -> Collective:
+def bind_comm(op: Op, groups: MeshGroups) -> Callable:
     """The collective that runs comm ``op`` (of the *global* program) on this rank."""
+    if op.target == "comm.all_reduce_start":
+        return _bucket_start(op, groups)
+    if op.target == "comm.wait":
+        return wait_bucket
     value = op.args[0]
     return bind_step(op.attrs["_step"], value.type.shape, value.dist.placements, groups)
+
+
+def _bucket_start(op: Op, groups: MeshGroups) -> Callable:
+    """Start one asynchronous all-reduce over a bucket of gradients (flattened into one
+    buffer); ``wait_bucket`` ends it and hands back views of the reduced buffer."""
+    steps = op.attrs["_steps"]
+    mesh_dim, reduce = steps[0].mesh_dim, steps[0].op
+    if any(s.mesh_dim != mesh_dim or s.op != reduce for s in steps):
+        raise ValueError(f"{op.target}: a bucket mixes mesh dims or reduce ops: {steps}")
+    shapes = [local_shape(v.type.shape, groups.mesh, v.dist.placements, groups.coordinate)
+              for v in op.args]
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    group, rop = groups[mesh_dim].group, REDUCE_OPS[reduce]
+
+    def all_reduce_start(*grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        return dist.all_reduce(flat, op=rop, group=group, async_op=True), flat, sizes, shapes
+    return all_reduce_start
+
+
+def wait_bucket(handle) -> tuple[torch.Tensor, ...]:
+    work, flat, sizes, shapes = handle
+    work.wait()
+    return tuple(piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes))
 
 
 def bind_step(step: Step, shape: Sequence[int], placements: Sequence,
@@ -81,6 +113,8 @@ def _stack_blocks(blocks: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collective:
+    if step.groups > 1:
+        return _reduce_scatter_grouped(step, axis, shapes)
     t, n, i = step.tensor_dim, axis.size, axis.index
     parts = _chunks(shapes[i][t], n)
     width = parts[0][1]
@@ -94,8 +128,23 @@ def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collect
         else:
             flat = _stack_blocks([xt.narrow(0, *parts[j]) for j in order], width)
         out = flat.new_empty((width,) + tuple(flat.shape[1:]))
-        dist.reduce_scatter_tensor(out, flat, op=op, group=group)
+        dist.reduce_scatter_single(out, flat, op=op, group=group)
         return out[:parts[i][1]].movedim(0, t).contiguous()
+    return reduce_scatter
+
+
+def _reduce_scatter_grouped(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collective:
+    t, n, i, g = step.tensor_dim, axis.size, axis.index, step.groups
+    width = g * local_size(shapes[i][t] // g, n, 0)       # the largest member's piece
+    mine = g * local_size(shapes[i][t] // g, n, i)
+    op, group, order = REDUCE_OPS[step.op], axis.group, axis.order
+
+    def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+        xt = x.movedim(t, 0)
+        flat = _stack_blocks([chunk_grouped(xt, 0, n, j, g) for j in order], width)
+        out = flat.new_empty((width,) + tuple(flat.shape[1:]))
+        dist.reduce_scatter_single(out, flat, op=op, group=group)
+        return out[:mine].movedim(0, t).contiguous()
     return reduce_scatter
 
 
@@ -104,22 +153,26 @@ def _all_gather(step: AllGather, axis: MeshAxisGroup, shapes) -> Collective:
     sizes = [s[t] for s in shapes]
     width = max(sizes)
     group, order = axis.group, axis.order
-    identity = order == tuple(range(n)) and all(s == width for s in sizes)
+    groups = step.groups
+    identity = order == tuple(range(n)) and all(s == width for s in sizes) and groups == 1
 
     def all_gather(x: torch.Tensor) -> torch.Tensor:
         xt = x.movedim(t, 0)
         mine = _stack_blocks([xt], width)
         out = mine.new_empty((width * n,) + tuple(mine.shape[1:]))
-        dist.all_gather_into_tensor(out, mine, group=group)
+        dist.all_gather_single(out, mine, group=group)
         if not identity:
             by_index = {j: out[g * width:g * width + sizes[j]] for g, j in enumerate(order)}
-            out = torch.cat([by_index[j] for j in range(n)])
+            out = cat_grouped([by_index[j] for j in range(n)], 0, groups)
         return out.movedim(0, t).contiguous()
     return all_gather
 
 
 def _slice(step: Slice, axis: MeshAxisGroup, shapes) -> Collective:
     t, n, i = step.tensor_dim, axis.size, axis.index
+    if step.groups > 1:
+        groups = step.groups
+        return lambda x: chunk_grouped(x, t, n, i, groups)
     offset, length = _chunks(shapes[i][t], n)[i]
 
     def slice_(x: torch.Tensor) -> torch.Tensor:

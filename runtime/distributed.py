@@ -20,7 +20,7 @@ from ..ir.dist import DistAttr, Replicate, local_slices, shard_tensor_local
 from ..passes.partition import partition
 from ..reshard import plan_reshard
 from .collectives import Collective, bind_comm, bind_step
-from .executor import Executor
+from .executor import Executor, has_random_ops
 from .process_groups import MeshGroups
 
 __all__ = ["RankPieces", "rank_executor", "gather_full"]
@@ -34,7 +34,7 @@ def rank_executor(program: Program, local: Program | None, groups: MeshGroups,
     comm: dict[Op, Collective] = {
         mine: bind_comm(op, groups)
         for op, mine in zip(program.ops, local.ops) if op.kind is OpKind.COMM}
-    return Executor(local, pieces.tensors, comm)
+    return Executor(local, pieces.tensors, comm, random=has_random_ops(program))
 
 
 def input_cutter(program: Program, groups: MeshGroups) -> Callable[[dict], dict]:

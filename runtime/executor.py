@@ -11,7 +11,7 @@ from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
 from .codegen import generate
 
 
-def _has_random_ops(program: Program) -> bool:
+def has_random_ops(program: Program) -> bool:
     from .kernels import resolve
     for op in program.ops_of(OpKind.CALL):
         if op.target.startswith("aten.") and \
@@ -30,7 +30,7 @@ class Executor:
     """
 
     def __init__(self, program: Program, state: dict[str, Any],
-                 comm: dict | None = None):
+                 comm: dict | None = None, random: bool | None = None):
         self.program = program
         self.state = state
         for op in program.ops_of(OpKind.STATE):
@@ -44,7 +44,9 @@ class Executor:
         self.slots: list[Slot] = [s for s, _ in program.results()]
         self._updates = [(i, s.name) for i, s in enumerate(self.slots) if s.kind == "update"]
         self._returned = [i for i, s in enumerate(self.slots) if s.kind != "update"]
-        self.random = _has_random_ops(program)
+        # a rank's program calls random ops through their local forms: its caller says
+        # whether the global program draws
+        self.random = has_random_ops(program) if random is None else random
 
     def _run_seeded(self, feeds: dict[str, Any], seed: int) -> tuple:
         """Random ops draw from the CPU generator seeded with ``seed`` (what

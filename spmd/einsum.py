@@ -7,6 +7,13 @@ output makes that output Partial. Inputs with no placement yet move for free and
 
 Reverse: from the placements wanted for the outputs, the placements the inputs should take,
 so a value with no placement of its own can be given the one its consumers want.
+
+Grouped shards (``Shard(d, groups=g)``) keep their groups through every letter that means
+one axis of one size in every tensor (elementwise, permutations, the free letters of a
+matmul): each rank holds the same indices of it everywhere. A contraction over a grouped
+letter is Partial like a plain one, since every operand is asked for the same grouping. A
+letter whose sizes differ (a reshape's ``even`` letters) or that is cut on another mesh dim
+too cannot keep a grouping: the option is not offered, so the input is resharded.
 """
 from __future__ import annotations
 
@@ -28,9 +35,11 @@ class SpecError(ValueError):
 class Option:
     kind: str          # "shard" | "partial" | "replicate"
     arg: str = ""      # the letter, or the partial op
+    groups: int = 1    # a shard's groups (Shard(d, groups))
 
     def __str__(self) -> str:
-        return {"shard": f"shard '{self.arg}'", "partial": f"P({self.arg})"}.get(self.kind, "R")
+        shard = f"shard '{self.arg}'" + (f" x{self.groups}" if self.groups > 1 else "")
+        return {"shard": shard, "partial": f"P({self.arg})"}.get(self.kind, "R")
 
 
 REPLICATE = Option("replicate")
@@ -98,6 +107,15 @@ class _Inference:
             return all(n % cut == 0 for n in self.all_sizes(letter))
         return True
 
+    def groupable(self, letter: str, groups: int) -> bool:
+        """Whether a shard of ``letter`` may keep ``groups``: one size everywhere, divisible
+        by the groups, not a reshape letter, and not cut by another mesh dim."""
+        if groups == 1:
+            return True
+        sizes = set(self.all_sizes(letter))
+        return (letter not in self.spec.even and not self.assigned.get(letter)
+                and len(sizes) == 1 and sizes.pop() % groups == 0)
+
     def all_sizes(self, letter: str) -> list[int]:
         return [n for letters, t in zip((*self.spec.inputs, *self.spec.outputs),
                                         (*self.in_types, *self.out_types))
@@ -107,7 +125,8 @@ class _Inference:
         """What input ``i`` must hold on the current mesh dim under ``option``."""
         letters = self.spec.inputs[i]
         if option.kind == "shard":
-            return Shard(letters.index(option.arg)) if option.arg in letters else Replicate()
+            return (Shard(letters.index(option.arg), option.groups) if option.arg in letters
+                    else Replicate())
         if option.kind == "partial" and self.spec.is_linear_input(i):
             if self.spec.linear == "sum" or i == self._partial_carrier(option, in_dists):
                 return Partial(option.arg)
@@ -125,7 +144,7 @@ class _Inference:
         letters = self.spec.outputs[o]
         if option.kind == "shard":
             if option.arg in letters:
-                return Shard(letters.index(option.arg))
+                return Shard(letters.index(option.arg), option.groups)
             if option.arg in self.spec.input_letters():
                 return Partial(self.spec.reduce[o])
             return Replicate()
@@ -162,13 +181,17 @@ class _Inference:
 def infer_forward(spec: Spec, mesh: ProcessMesh, in_types: Sequence[TensorType],
                   out_types: Sequence[TensorType | None],
                   in_dists: Sequence[DistAttr | None], what: str = "op",
-                  available: Sequence[Collection[DistAttr]] | None = None) -> Decision:
+                  available: Sequence[Collection[DistAttr]] | None = None,
+                  owe: bool = True) -> Decision:
     """Placements for the outputs, and those the inputs need, from the inputs' placements
     (``None``: no placement yet, follows for free). ``available``: per input, placements
-    it is already being moved to for another consumer, which this op may reuse for free."""
+    it is already being moved to for another consumer, which this op may reuse for free.
+    ``owe=False`` prices moves only, not the reductions partial results leave owing (to
+    replay given needs: which mesh dims do they make Partial)."""
     check_spec(spec, in_types, out_types, what)
     inf = _Inference(spec, mesh, in_types, out_types)
     inf.available = available or [()] * len(in_types)
+    inf.owe, inf.in_dists = owe, in_dists
     choices = []
     for m in range(mesh.ndim):
         inf._m = m
@@ -189,8 +212,8 @@ def _options(inf: _Inference, m: int, in_dists) -> list[Option]:
         p = d.placements[m]
         if isinstance(p, Shard):
             letter = inf.spec.inputs[i][p.dim]
-            if inf.shardable(letter, m):
-                options.append(Option("shard", letter))
+            if inf.shardable(letter, m) and inf.groupable(letter, p.groups):
+                options.append(Option("shard", letter, p.groups))
         elif isinstance(p, Partial) and inf.spec.is_linear_input(i) and p.op in inf.spec.partial_ops:
             options.append(Option("partial", p.op))
     options.append(REPLICATE)
@@ -210,7 +233,43 @@ def _price(inf: _Inference, option: Option, m: int, in_dists) -> float:
             want = inf.required(option, i, in_dists)
             total += min(reshard_bytes(src.placements[m], want, inf.full_bytes(i, d, m), n)
                          for src in (d, *inf.available[i]))
-    return total
+    return total + (_owed(inf, option, m) if inf.owe and option.kind == "partial" else 0.0)
+
+
+# Carrying a partial on where the result is as big as what it came from costs the same
+# reduction later as now: prefer later (a consumer may reduce-scatter it, or sum several).
+DEFER_ON_TIES = 1 - 1e-9
+
+
+def _owed(inf: _Inference, option: Option, m: int) -> float:
+    """The all-reduces carrying a partial on leaves owing: every output it makes Partial
+    on mesh dim ``m`` must be reduced by someone later, where reducing the input now (the
+    replicate option) settles the same debt at its own size. So a partial is carried on
+    only where the result is no bigger than what it came from: carrying one through a
+    layer-norm backward (three partial results) or into a 4x wider matmul result would
+    force dearer moves downstream than reducing it first, as Megatron does. A partial a
+    contraction creates (a row-parallel matmul, a data-parallel weight gradient) is the
+    plan, not a choice to defer, and owes nothing here."""
+    n, owed = inf.mesh.shape[m], 0.0
+    for o, t in enumerate(inf.out_types):
+        produced = inf.produced(option, o) if t is not None else None
+        if isinstance(produced, Partial):
+            owed += reshard_bytes(produced, Replicate(),
+                                  t.numel * t.dtype.itemsize / _output_cut(inf, o, m), n)
+    return owed * DEFER_ON_TIES
+
+
+def _output_cut(inf: _Inference, o: int, m: int) -> int:
+    """How many pieces the other mesh dims cut output ``o`` into: as decided for the mesh
+    dims before ``m``; for those after, as the inputs are cut (not decided yet)."""
+    cut = 1
+    for k, size in enumerate(inf.mesh.shape):
+        if k < m and isinstance(inf.outs[o][k], Shard):
+            cut *= size
+        elif k > m and any(d is not None and isinstance(d.placements[k], Shard)
+                           for d in inf.in_dists):
+            cut *= size
+    return cut
 
 
 def infer_reverse(spec: Spec, mesh: ProcessMesh, in_types: Sequence[TensorType],
@@ -232,8 +291,9 @@ def _reverse_option(inf: _Inference, out_hints, wanted: Placement, m: int) -> Op
     if isinstance(wanted, Shard):
         o = next(o for o, h in enumerate(out_hints) if h is not None)
         letter = inf.spec.outputs[o][wanted.dim]
-        if letter in inf.spec.input_letters() and inf.shardable(letter, m):
-            return Option("shard", letter)
+        if (letter in inf.spec.input_letters() and inf.shardable(letter, m)
+                and inf.groupable(letter, wanted.groups)):
+            return Option("shard", letter, wanted.groups)
     if isinstance(wanted, Partial) and inf.spec.linear != "none" and wanted.op in inf.spec.partial_ops:
         return Option("partial", wanted.op)
     return REPLICATE

@@ -120,18 +120,37 @@ class DataParallelConfig(Section):
 
     SECTION: ClassVar[str] = "data_parallel"
     axis: AxisName = "dp"
+    # Gradient all-reduces are fused into buckets of about this many MiB (DDP's
+    # bucket_cap_mb), each issued as soon as its last gradient exists and waited for just
+    # before the optimizer reads it, so communication overlaps the rest of the backward.
+    # 0 keeps one all-reduce per gradient.
+    bucket_mb: Annotated[float, Field(ge=0)] = 25.0
 
 
 class TensorParallelConfig(Section):
     """Megatron-style layer sharding over ``axis``; ``plan`` maps module patterns to styles.
 
     A plan entry is sugar for ``shard_tensor`` annotations on the matched module's parameters.
+    ``sequence_parallel`` (Megatron-SP) also shards the activations between the parallel
+    pairs (LayerNorm, dropout, residual adds) on ``sequence_dim`` over ``axis``: the outputs
+    of rowwise and vocab modules are reduce-scattered there instead of all-reduced, and
+    gathered again before each colwise module. ``sequence_dim`` 1 fits ``[batch, seq,
+    hidden]`` activations, 0 ``[seq, batch, hidden]`` ones.
     """
 
     SECTION: ClassVar[str] = "tensor_parallel"
     axis: AxisName = "tp"
     plan: dict[ModulePattern, Literal["colwise", "rowwise", "vocab"]] = Field(default_factory=dict)
     sequence_parallel: StrictBool = False
+    sequence_dim: Annotated[int, Field(strict=True, ge=0)] = 1
+
+    @model_validator(mode="after")
+    def _sequence_dim_needs_sequence_parallel(self) -> TensorParallelConfig:
+        """A sequence dim other than the default says the user expects SP to be on."""
+        if self.sequence_dim != 1 and not self.sequence_parallel:
+            raise ValueError(f"tensor_parallel sequence_dim={self.sequence_dim} needs "
+                             "sequence_parallel: true")
+        return self
 
 
 class PipelineConfig(Section):

@@ -55,3 +55,26 @@ def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def assert_same_losses(ours: list[float], ref: list[float]) -> None:
     assert len(ours) == len(ref)
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=RTOL, atol=ATOL)
+
+
+def gpt_optimizer(name: str, model: torch.nn.Module, warmup: int = 10):
+    """(optimizer, scheduler or None) as a GPT run uses them: SGD + momentum, or AdamW with
+    the usual linear warmup (see tests/test_parity_dist.py for why parity needs it)."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+
+
+def parity_gpt(optim: str, vocab: int = 64, seq: int = 16, dropout: float = 0.0):
+    """The small GPT parity runs train. With AdamW it has no qkv bias: the key part of a
+    fused qkv bias has an identically zero gradient whose fp32 rounding noise Adam follows
+    (tests/test_parity_dist.py)."""
+    from autopar.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, block_size=seq,
+                          dropout=dropout, sdpa=optim == "adamw"))
+    if optim == "adamw":
+        for block in model.blocks:
+            block.attn.qkv.register_parameter("bias", None)
+    return model

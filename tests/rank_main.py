@@ -12,36 +12,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import autopar as ap  # noqa: E402
-from parity import lm_data  # noqa: E402
+from parity import gpt_optimizer, lm_data, parity_gpt  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 
 
-def gpt_config(dropout: float = 0.0):
-    from autopar.models import GPTConfig
-    return GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16,
-                     dropout=dropout, sdpa=True)
-
-
-def optimizer_for(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-
 def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0") -> dict:
-    """The GPT trained through ``Engine.fit`` on the strategy ``configs/<config>.yaml``."""
-    from autopar.models import GPT
+    """The GPT of ``parity_gpt`` trained through ``Engine.fit`` on ``configs/<config>.yaml``."""
     from autopar.models.gpt import lm_loss
-    torch.manual_seed(0)
-    model = GPT(gpt_config(float(dropout)))
+    model = parity_gpt(optim, dropout=float(dropout))
+    optimizer, scheduler = gpt_optimizer(optim, model)
     strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml")
-    engine = ap.Engine(model, lm_loss, optimizer_for(optim, model), strategy=strategy)
+    engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy, lr_scheduler=scheduler)
     data = lm_data(int(steps) * int(batch), 16, 64)
     history = engine.fit(data, batch_size=int(batch), verbose=0)
     valid = engine.evaluate(data[:int(batch)], batch_size=int(batch))
     return {"loss": history["loss"], "state": engine.state_dict(), "valid": valid,
-            "optim": {k: v for k, v in engine.optimizer.state_dict()["state"].items()}}
+            "optim": engine.optimizer.state_dict()["state"]}
 
 
 def collectives() -> dict:

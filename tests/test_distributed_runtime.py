@@ -7,12 +7,10 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.models import GPT
 from autopar.models.gpt import lm_loss
 
 from .multiproc import run_ranks
-from .parity import ATOL, RTOL, eager_train, lm_data
-from .rank_main import gpt_config, optimizer_for
+from .parity import ATOL, RTOL, eager_train, gpt_optimizer, lm_data, parity_gpt
 
 
 def test_every_reshard_step_runs_as_a_real_collective_with_reference_semantics():
@@ -24,39 +22,47 @@ def test_every_reshard_step_runs_as_a_real_collective_with_reference_semantics()
                                    "reduce_scatter", "slice"]
 
 
-def _eager(optim: str, steps: int, batch: int, dropout: float = 0.0):
-    torch.manual_seed(0)
-    model = GPT(gpt_config(dropout))
-    losses = eager_train(model, lm_loss, optimizer_for(optim, model),
-                         lm_data(steps * batch, 16, 64), batch_size=batch, steps=steps)
-    return losses, model
+def _eager(optim: str, steps: int, batch: int, dropout: float):
+    model = parity_gpt(optim, dropout=dropout)
+    optimizer, scheduler = gpt_optimizer(optim, model)
+    losses = eager_train(model, lm_loss, optimizer, lm_data(steps * batch, 16, 64),
+                         batch_size=batch, steps=steps, scheduler=scheduler)
+    return losses, model, optimizer
 
 
-@pytest.mark.parametrize("config,world,optim,batch", [
-    ("dp", 2, "adamw", 6),          # uneven: 3 + 3 rows... and
-    ("dp", 2, "sgd", 5),            # 3 + 2 rows per rank
-    ("tp", 2, "adamw", 4),
-    ("dp_tp", 4, "sgd", 4),
-])
-def test_gpt_on_real_ranks_matches_eager(config, world, optim, batch):
+# (strategy, ranks, optimizer, global batch, dropout): 2-rank runs take 20 steps, the 4-rank
+# one (4 processes on the CI's 2 cores) 8
+CASES = [("dp", 2, "adamw", 6, 0.1),      # 3 + 3 rows per rank, dropout masks sliced
+         ("dp", 2, "sgd", 5, 0.0),        # 3 + 2 rows: uneven shards
+         ("tp", 2, "adamw", 4, 0.1),
+         ("dp_tp", 4, "sgd", 4, 0.0)]
+
+
+@pytest.mark.parametrize("config,world,optim,batch,dropout", CASES)
+def test_gpt_on_real_ranks_matches_eager(config, world, optim, batch, dropout):
     steps = 20 if world == 2 else 8
-    results = run_ranks("train_gpt", world, config, optim, str(steps), str(batch))
-    ref_losses, ref = _eager(optim, steps, batch)
+    results = run_ranks("train_gpt", world, config, optim, str(steps), str(batch), str(dropout))
+    ref_losses, ref, ref_opt = _eager(optim, steps, batch, dropout)
     for rank, result in enumerate(results):
         torch.testing.assert_close(torch.tensor(result["loss"]), torch.tensor(ref_losses),
                                    rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {rank}: {m}")
         for name, p in ref.named_parameters():
             torch.testing.assert_close(result["state"][name], p.detach(), rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+    # the optimizer's own state_dict holds torch's full state, gathered from the pieces
+    want = ref_opt.state_dict()["state"]
+    for index, state in want.items():
+        for key, value in state.items():
+            torch.testing.assert_close(results[0]["optim"][index][key], value, rtol=RTOL,
+                                       atol=ATOL, msg=lambda m: f"optimizer {index} {key}: {m}")
     assert results[0]["valid"] == results[-1]["valid"]
 
 
 def test_a_launch_that_does_not_match_the_mesh_fails_before_any_collective(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
-    torch.manual_seed(0)
-    model = GPT(gpt_config())
-    engine = ap.Engine(model, lm_loss, optimizer_for("sgd", model),
+    model = parity_gpt("sgd")
+    engine = ap.Engine(model, lm_loss, gpt_optimizer("sgd", model)[0],
                        strategy=ap.Strategy.from_yaml("configs/dp.yaml"))
     x, y = lm_data(2, 16, 64)[0]
     with pytest.raises(ValueError, match=r"mesh has 2 ranks but WORLD_SIZE is 3.*torchrun"):

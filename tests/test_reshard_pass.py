@@ -27,15 +27,19 @@ def test_data_parallel_reduces_each_gradient_once_before_its_update():
     check_resharded(program)
     for op in program.ops:
         if op.kind is OpKind.CALL and op.role is Role.OPTIMIZER:
-            comm = op.args[1].producer
-            assert comm.kind is OpKind.COMM and comm.target == "comm.all_reduce"
-            assert comm.args[0].dist.placements == (Partial("sum"),)
+            wait = op.args[1].producer      # gradients travel in one bucket (bucket_mb 25)
+            assert wait.kind is OpKind.COMM and wait.target == "comm.wait"
+            start = wait.args[0].producer
+            grad = start.args[op.args[1].index]
+            assert start.attrs["_steps"][op.args[1].index].kind == "all_reduce"
+            assert grad.dist.placements == (Partial("sum"),)
             assert op.args[1].dist.placements == (Replicate(),)
-    comms = [op for op in program.ops if op.kind is OpKind.COMM]
+    reductions = [s for op in program.ops if op.kind is OpKind.COMM
+                  for s in op.attrs.get("_steps") or [op.attrs.get("_step")] if s is not None]
     grads = [op for op in program.ops if op.kind is OpKind.CALL and op.role is Role.OPTIMIZER]
     # one all-reduce per gradient, plus the loss's two scalars (sum and count)
-    assert len(comms) == len(grads) + 2
-    assert all("over dp" in op.attrs["step"] for op in comms)
+    assert len(reductions) == len(grads) + 2
+    assert all(s.axis == "dp" for s in reductions)
 
 
 def test_a_value_several_consumers_need_alike_moves_once_and_the_dump_says_how():

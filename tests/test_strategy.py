@@ -143,7 +143,7 @@ def test_unknown_top_level_key_names_it() -> None:
 
 @pytest.mark.parametrize("section, body, key", [
     ("mesh", "{shape: [2], dim_names: [dp], devices: [0, 1]}", "devices"),
-    ("data_parallel", "{axis: dp, bucket_mb: 25}", "bucket_mb"),
+    ("data_parallel", "{axis: dp, bucket_cap_mb: 25}", "bucket_cap_mb"),
     ("tensor_parallel", "{axis: tp, sequence_paralel: true}", "sequence_paralel"),
     ("pipeline", "{axis: pp, chunks: 2}", "chunks"),
     ("sharding", "{axis: dp, level: 1}", "level"),

@@ -62,7 +62,8 @@ class AffineProduct:
         ins, outs = self._types(op)
         needs = infer_reverse(self.spec(op), mesh, ins, outs, out_hints, describe(op))
         # Replaying the operands' needs forward tells which mesh dims come out Partial.
-        decision = infer_forward(self.spec(op), mesh, ins, outs, needs, describe(op))
+        decision = infer_forward(self.spec(op), mesh, ins, outs, needs, describe(op),
+                                 owe=False)
         return self._bias_partial(decision, mesh).needs
 
 

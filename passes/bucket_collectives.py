@@ -1,0 +1,152 @@
+"""Bucket gradient all-reduces: many small collectives become a few large, asynchronous ones.
+
+After reshard, every gradient that reaches the optimizer as a Partial has its own
+``comm.all_reduce`` just before the optimizer: a hundred latency-bound collectives per step
+for a small transformer, none overlapping compute. Here, all-reduces of backward results
+that feed the optimizer are grouped (same mesh dim, reduce op and dtype, in the order the
+backward produces them) into buckets of about ``data_parallel.bucket_mb`` MiB, DDP's
+recipe, the first of at most 1 MiB so that communication starts early in the backward.
+Each bucket becomes two ops:
+
+    %h = comm.all_reduce_start(%g1, %g2, ...)   # right after the last of its gradients
+    %r1, %r2, ... = comm.wait(%h)               # right before the first reader
+
+so a bucket travels while the backward computes the next gradients. The results keep the
+old comm ops' values, so readers do not change. An all-reduce read only by the program's
+output (the reported loss) likewise starts where its value is made and is waited for at
+the end of the step, so it does not stop the backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import Op, OpKind, Program, Role, Value
+from ..ir.core import OpaqueType
+from ..reshard.steps import AllReduce
+from .context import PassContext
+
+HANDLE = OpaqueType("!comm.handle")
+MIB = 1 << 20
+FIRST_BUCKET = 1 * MIB   # DDP's first bucket too: the last layers' gradients leave early
+
+
+def bucket_collectives(program: Program, ctx: PassContext) -> Program:
+    cap = _bucket_bytes(ctx)
+    if ctx.mesh is None or cap == 0:
+        return program
+    position = {op: i for i, op in enumerate(program.ops)}
+    first_reader = _first_readers(program, position)
+    buckets = _buckets(_candidates(program, position), position, first_reader, cap)
+    buckets += [_Bucket([op], op.args[0].type.numel * op.args[0].type.dtype.itemsize,
+                        position[op.args[0].producer], first_reader[op.outputs[0]])
+                for op in _result_reductions(program)]
+    if buckets:
+        program.ops = _rewrite(program.ops, buckets, position, first_reader)
+    return program
+
+
+def _bucket_bytes(ctx: PassContext) -> float:
+    dp = ctx.strategy.data_parallel
+    return (dp.bucket_mb if dp is not None else 25.0) * MIB
+
+
+def _first_readers(program: Program, position: dict[Op, int]) -> dict[Value, int]:
+    first: dict[Value, int] = {}
+    for op in program.ops:
+        for v in op.inputs:
+            first.setdefault(v, position[op])
+    return first
+
+
+def _candidates(program: Program, position: dict[Op, int]) -> list[Op]:
+    """Single-step gradient all-reduces: a backward op's result, read by the optimizer
+    (or clipping) only, in the order the backward produces the gradients."""
+    found = [op for op in program.ops
+             if op.kind is OpKind.COMM and isinstance(op.attrs.get("_step"), AllReduce)
+             and op.attrs.get("_for") == Role.OPTIMIZER.value
+             and op.args[0].producer is not None
+             and op.args[0].producer.kind is OpKind.CALL
+             and op.args[0].producer.role is Role.BACKWARD]
+    return sorted(found, key=lambda op: position[op.args[0].producer])
+
+
+def _result_reductions(program: Program) -> list[Op]:
+    """All-reduces whose result only the output op reads, of a value a call makes."""
+    readers = program.users()
+    return [op for op in program.ops
+            if op.kind is OpKind.COMM and isinstance(op.attrs.get("_step"), AllReduce)
+            and op.args[0].producer is not None and op.args[0].producer.kind is OpKind.CALL
+            and all(r.kind is OpKind.OUTPUT for r in readers.get(op.outputs[0], ()))]
+
+
+@dataclass
+class _Bucket:
+    comms: list[Op] = field(default_factory=list)
+    bytes: int = 0
+    ready: int = -1          # position of the last gradient's producer
+    needed: int = 1 << 62    # position of the first reader of any result
+
+    def key(self) -> tuple:
+        step, v = self.comms[0].attrs["_step"], self.comms[0].args[0]
+        return step.mesh_dim, step.op, v.type.dtype
+
+
+def _buckets(candidates: list[Op], position: dict[Op, int], first_reader: dict[Value, int],
+             cap: float) -> list[_Bucket]:
+    open_: dict[tuple, _Bucket] = {}
+    done: list[_Bucket] = []
+    for comm in candidates:
+        step, v = comm.attrs["_step"], comm.args[0]
+        key = (step.mesh_dim, step.op, v.type.dtype)
+        ready, needed = position[v.producer], first_reader[comm.outputs[0]]
+        bucket = open_.get(key)
+        limit = min(cap, FIRST_BUCKET) if not any(b.key() == key for b in done) else cap
+        if bucket is not None and (bucket.bytes >= limit or ready >= bucket.needed):
+            done.append(open_.pop(key))
+        bucket = open_.setdefault(key, _Bucket())
+        bucket.comms.append(comm)
+        bucket.bytes += v.type.numel * v.type.dtype.itemsize
+        bucket.ready, bucket.needed = max(bucket.ready, ready), min(bucket.needed, needed)
+    done += open_.values()
+    return [b for b in done if len(b.comms) > 1]   # a bucket of one is its own all-reduce
+
+
+def _rewrite(ops: list[Op], buckets: list[_Bucket], position: dict[Op, int],
+             first_reader: dict[Value, int]) -> list[Op]:
+    after: dict[int, list[Op]] = {}     # ops to place right after position i
+    before: dict[int, list[Op]] = {}    # ops to place right before position i
+    dropped: set[Op] = set()
+    for number, bucket in enumerate(buckets):
+        start, wait = _pair(bucket, number)
+        after.setdefault(bucket.ready, []).append(start)
+        before.setdefault(bucket.needed, []).append(wait)
+        dropped.update(bucket.comms)
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        out += before.get(i, [])
+        if op not in dropped:
+            out.append(op)
+        out += after.get(i, [])
+    return out
+
+
+def _pair(bucket: _Bucket, number: int) -> tuple[Op, Op]:
+    comms = bucket.comms
+    step = comms[0].attrs["_step"]
+    inputs = tuple(c.args[0] for c in comms)
+    handle = Value(HANDLE)
+    what = "gradients" if comms[0].attrs["_for"] == Role.OPTIMIZER.value else "results"
+    text = f"bucket {number}: {len(comms)} {what}, {bucket.bytes / MIB:.2f} MiB, {step}"
+    start = Op(OpKind.COMM, "comm.all_reduce_start", inputs, outputs=[handle],
+               role=Role.COMM, module=comms[-1].module,
+               attrs={"step": text, "_steps": tuple(c.attrs["_step"] for c in comms),
+                      "_for": comms[0].attrs["_for"]})
+    start.needs = tuple(v.dist for v in inputs)
+    handle.producer, handle.index = start, 0
+    results = [c.outputs[0] for c in comms]
+    wait = Op(OpKind.COMM, "comm.wait", (handle,), outputs=results, role=Role.COMM,
+              module=comms[0].module, attrs={"step": f"bucket {number}", "_multi": True,
+                                             "_for": comms[0].attrs["_for"]})
+    for index, v in enumerate(results):
+        v.producer, v.index = wait, index
+    return start, wait
