@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from ranks import ROOT, finish, in_rank, init, launch, paired, report  # noqa: E402
+from ranks import ROOT, finish, init, main, paired, report  # noqa: E402
 
 CHECKED_STEPS = 3
 
@@ -109,7 +109,4 @@ def _check_losses(ours, theirs, world: int) -> None:
 
 
 if __name__ == "__main__":
-    if in_rank():
-        rank_main(_args())
-    else:
-        sys.exit(launch(__file__, sys.argv[1:]))
+    main(__file__, lambda: rank_main(_args()))

@@ -13,7 +13,6 @@ booked against the next step.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.launch import free_port, rank_env, wait_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,30 +35,21 @@ def in_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script: str, argv: Sequence[str], world: int = 2, timeout: float = 900) -> int:
     """Run ``script argv`` on ``world`` local ranks; returns 0 when every rank succeeded."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(world)]
         procs = []
         for r in range(world):
-            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       # c10d's deprecation notices would bury the figures
-                       PYTHONWARNINGS="ignore::FutureWarning")
+            # c10d's deprecation notices would bury the figures
+            env = rank_env(r, world, port, PYTHONWARNINGS="ignore::FutureWarning")
             out = subprocess.PIPE if r == 0 else logs[r]     # rank 0 prints, filtered
             procs.append(subprocess.Popen([sys.executable, script, *argv], env=env,
                                           stdout=out, stderr=subprocess.STDOUT, text=True))
         relay = threading.Thread(target=_relay, args=(procs[0].stdout,), daemon=True)
         relay.start()
-        failure = _wait(procs, timeout)
+        failure = wait_ranks(procs, timeout)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -80,17 +72,12 @@ def _relay(stream) -> None:
             print(line, end="", flush=True)
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            return f"rank {failed[0]} exited with {codes[failed[0]]}"
-        if all(c == 0 for c in codes):
-            return ""
-        time.sleep(0.05)
-    return f"timed out after {timeout:.0f} s"
+def main(script: str, rank_main: Callable[[], object]) -> None:
+    """A benchmark script's entry: as a launched rank, run; otherwise launch the ranks."""
+    if in_rank():
+        rank_main()
+    else:
+        sys.exit(launch(script, sys.argv[1:]))
 
 
 def init() -> tuple[int, int]:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from ranks import finish, in_rank, init, launch, paired, report, state_bytes  # noqa: E402
+from ranks import finish, init, main, paired, report, state_bytes  # noqa: E402
 
 CHECKED_STEPS = 3
 COLWISE, ROWWISE = ("attn.qkv", "fc1"), ("attn.proj", "fc2")
@@ -180,7 +180,4 @@ def _print_memory(memory: dict[str, dict[str, int]], world: int) -> None:
 
 
 if __name__ == "__main__":
-    if in_rank():
-        rank_main(_args())
-    else:
-        sys.exit(launch(__file__, sys.argv[1:]))
+    main(__file__, lambda: rank_main(_args()))

@@ -29,7 +29,7 @@ from ..runtime.distributed import RankPieces, input_cutter, rank_executor
 from ..runtime.executor import Executor
 from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups
 from ..runtime.simulator import SimulatedExecutor
-from ..strategy import Strategy, UnsupportedStrategyError
+from ..strategy import Strategy
 from .data import batch_size_of, batches
 from .logging import ProgressLog
 from .offline import PlanningDone, current_session
@@ -107,9 +107,9 @@ class Engine:
 
     @property
     def distributed(self) -> bool:
-        """Whether this engine runs its plans on several real processes."""
-        mesh = self.strategy.process_mesh()
-        return mesh is not None and mesh.size > 1 and not self.strategy.debug.simulate
+        """Whether this engine runs its plans on several real processes (a launcher
+        started more than one, and the strategy does not simulate them)."""
+        return self.launch_world_size > 1 and not self.strategy.debug.simulate
 
     def _runnable(self, plan: Plan) -> Plan:
         """The plan with its executor: serial, every rank in this process (simulate), or

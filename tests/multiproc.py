@@ -5,33 +5,17 @@ killed, so a broken collective fails the test with every rank's output instead o
 """
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from autopar.runtime.launch import free_port, rank_env, wait_ranks
+
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(rank: int, world: int, port: int, result: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               OMP_NUM_THREADS="1", AUTOPAR_TEST_RESULT=str(result),
-               PYTHONWARNINGS="ignore")
-    return env
 
 
 def run_ranks(scenario: str, world: int, *args: str, timeout: float = 240) -> list[Any]:
@@ -41,11 +25,14 @@ def run_ranks(scenario: str, world: int, *args: str, timeout: float = 240) -> li
         results = [Path(out) / f"rank{r}.pt" for r in range(world)]
         logs = [open(Path(out) / f"rank{r}.log", "w+") for r in range(world)]
         procs = [subprocess.Popen([sys.executable, str(RANK_MAIN), scenario, *args],
-                                  env=_env(r, world, port, results[r]), stdout=logs[r],
+                                  env=rank_env(r, world, port,
+                                               AUTOPAR_TEST_RESULT=str(results[r]),
+                                               PYTHONWARNINGS="ignore"),
+                                  stdout=logs[r],
                                   stderr=subprocess.STDOUT)
                  for r in range(world)]
         try:
-            failure = _wait(procs, timeout)
+            failure = wait_ranks(procs, timeout)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -54,20 +41,6 @@ def run_ranks(scenario: str, world: int, *args: str, timeout: float = 240) -> li
         if failure:
             raise AssertionError(f"{scenario} on {world} ranks: {failure}\n" + _tails(logs))
         return [torch.load(path, weights_only=False) for path in results]
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float) -> str:
-    """'' when every rank exited 0; else what went wrong first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            return f"rank {failed[0]} exited with {codes[failed[0]]}"
-        if all(c == 0 for c in codes):
-            return ""
-        time.sleep(0.05)
-    return f"timed out after {timeout:.0f} s"
 
 
 def _tails(logs) -> str:

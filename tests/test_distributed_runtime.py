@@ -30,8 +30,7 @@ def _eager(optim: str, steps: int, batch: int, dropout: float):
     return losses, model, optimizer
 
 
-# (strategy, ranks, optimizer, global batch, dropout): 2-rank runs take 20 steps, the 4-rank
-# one (4 processes on the CI's 2 cores) 8
+# (strategy, ranks, optimizer, global batch, dropout), 20 steps each
 CASES = [("dp", 2, "adamw", 6, 0.1),      # 3 + 3 rows per rank, dropout masks sliced
          ("dp", 2, "sgd", 5, 0.0),        # 3 + 2 rows: uneven shards
          ("tp", 2, "adamw", 4, 0.1),
@@ -40,7 +39,7 @@ CASES = [("dp", 2, "adamw", 6, 0.1),      # 3 + 3 rows per rank, dropout masks s
 
 @pytest.mark.parametrize("config,world,optim,batch,dropout", CASES)
 def test_gpt_on_real_ranks_matches_eager(config, world, optim, batch, dropout):
-    steps = 20 if world == 2 else 8
+    steps = 20
     results = run_ranks("train_gpt", world, config, optim, str(steps), str(batch), str(dropout))
     ref_losses, ref, ref_opt = _eager(optim, steps, batch, dropout)
     for rank, result in enumerate(results):

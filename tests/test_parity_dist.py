@@ -115,11 +115,11 @@ HF_PLANS = {
 
 def _hf(name: str) -> torch.nn.Module:
     """GPT-2 (dropout 0.1, SDPA) trains with SGD + momentum (its fused qkv bias, see the
-    module docstring), Llama (eager attention) with AdamW."""
+    module docstring), Llama (eager or SDPA attention) with AdamW."""
     torch.manual_seed(0)
     if name == "gpt2":
         return zoo.hf_gpt2("sdpa", HF_VOCAB).train()
-    return zoo.hf_llama("eager", HF_VOCAB).train()
+    return zoo.hf_llama(name.removeprefix("llama_"), HF_VOCAB).train()
 
 
 def _hf_optimizer(name: str, model: torch.nn.Module):
@@ -141,7 +141,7 @@ def _hf_eager(model: torch.nn.Module, name: str, ids: torch.Tensor) -> list[floa
     return losses
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_eager", "llama_sdpa"])
 def test_hugging_face_model_trains_like_eager_under_dp2_tp2(name):
     pytest.importorskip("transformers")
     model = _hf(name)
@@ -152,7 +152,7 @@ def test_hugging_face_model_trains_like_eager_under_dp2_tp2(name):
 
     strategy = ap.Strategy(mesh={"shape": [2, 2], "dim_names": ["dp", "tp"]},
                            data_parallel={"axis": "dp"},
-                           tensor_parallel={"axis": "tp", "plan": HF_PLANS[name]},
+                           tensor_parallel={"axis": "tp", "plan": HF_PLANS[name[:5]]},
                            debug={"simulate": True})
     opt, scheduler = _hf_optimizer(name, model)
     engine = ap.Engine(model, None, opt, strategy=strategy, lr_scheduler=scheduler)

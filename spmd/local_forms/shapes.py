@@ -36,12 +36,25 @@ SHAPE_ARGS: dict[str, tuple[int, str]] = {
 }
 
 
+# A rank's pieces need not be laid out in memory as the traced values were (a collective
+# returns a contiguous tensor where eager had a transposed view, and layout-keeping kernels
+# such as CPU flash attention pass that on), so a view the trace could take may not exist.
+# reshape is that same view whenever it exists, and a copy only where view would fail.
+AS_RESHAPE = {"aten.view.default": "aten.reshape.default",
+              "aten._unsafe_view.default": "aten.reshape.default"}
+
+
 @register_local_form(*SHAPE_ARGS)
 def _shape_arg(op: Op, ctx: LocalContext) -> LocalCall | None:
     """A shape argument is the global output shape; a rank makes its piece's shape. Only
-    sharded outputs change (a Partial's terms have the global shape)."""
+    sharded outputs change (a Partial's terms have the global shape). Views become
+    reshapes (see ``AS_RESHAPE``)."""
+    target = AS_RESHAPE.get(op.target, op.target)
     if not ctx.out_sharded(0):
-        return None
+        if target == op.target:
+            return None
+        kwargs = {("shape" if k == "size" else k): v for k, v in op.kwargs.items()}
+        return LocalCall(target, op.args, kwargs, "a view of any local layout")
     pos, name = SHAPE_ARGS[op.target]
     local = list(ctx.out_shape(op, 0))
     if op.target == "aten._reshape_alias.default":
@@ -49,8 +62,10 @@ def _shape_arg(op: Op, ctx: LocalContext) -> LocalCall | None:
         return LocalCall("aten.view.default", (op.args[0], local), {},
                          "reshape to the local shape")
     if name in op.kwargs:
-        return LocalCall(op.target, op.args, {**op.kwargs, name: local}, "local shape")
-    return LocalCall(op.target, _replace(tuple(op.args), pos, local), dict(op.kwargs),
+        kwargs = {k: v for k, v in op.kwargs.items() if k != name}
+        kwargs[SHAPE_ARGS[target][1]] = local
+        return LocalCall(target, op.args, kwargs, "local shape")
+    return LocalCall(target, _replace(tuple(op.args), pos, local), dict(op.kwargs),
                      "local shape")
 
 
