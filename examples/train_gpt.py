@@ -1,6 +1,7 @@
 """A plain autopar training script: a small GPT, AdamW, a strategy YAML.
 
     python examples/train_gpt.py --strategy configs/serial.yaml      # train (serial)
+    torchrun --nproc-per-node 4 examples/train_gpt.py --strategy configs/dp_tp.yaml
     python -m autopar plan examples/train_gpt.py --strategy configs/dp_tp.yaml \
         --explain "grad[blocks.0.fc1.weight]" -- --layers 4          # plan any mesh offline
 """
@@ -30,7 +31,8 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (64, cfg.block_size + 1))
     data = [(row[:-1], row[1:]) for row in ids]
     history = engine.fit(data, batch_size=8, steps_per_epoch=args.steps, verbose=1)
-    print(f"final loss {history['loss'][-1]:.4f}")
+    if engine.is_logging_rank:
+        print(f"final loss {history['loss'][-1]:.4f}")
 
 
 if __name__ == "__main__":
