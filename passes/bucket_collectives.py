@@ -12,9 +12,10 @@ Each bucket becomes two ops:
     %r1, %r2, ... = comm.wait(%h)               # right before the first reader
 
 so a bucket travels while the backward computes the next gradients. The results keep the
-old comm ops' values, so readers do not change. An all-reduce read only by the program's
-output (the reported loss) likewise starts where its value is made and is waited for at
-the end of the step, so it does not stop the backward.
+old comm ops' values, so readers do not change. Any other all-reduce of a value made well
+before it is read (the reported loss, read only at the end of the step; the token count of
+a mean loss, made from the labels) likewise starts where its value is made and is waited
+for where it is read, so it does not stop the ranks in between.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .context import PassContext
 HANDLE = OpaqueType("!comm.handle")
 MIB = 1 << 20
 FIRST_BUCKET = 1 * MIB   # DDP's first bucket too: the last layers' gradients leave early
+EARLY = 8                # ops between a value and its first reader that make waiting later pay
 
 
 def bucket_collectives(program: Program, ctx: PassContext) -> Program:
@@ -37,9 +39,11 @@ def bucket_collectives(program: Program, ctx: PassContext) -> Program:
     position = {op: i for i, op in enumerate(program.ops)}
     first_reader = _first_readers(program, position)
     buckets = _buckets(_candidates(program, position), position, first_reader, cap)
+    bucketed = {c for b in buckets for c in b.comms}
     buckets += [_Bucket([op], op.args[0].type.numel * op.args[0].type.dtype.itemsize,
                         position[op.args[0].producer], first_reader[op.outputs[0]])
-                for op in _result_reductions(program)]
+                for op in _early_reductions(program, position, first_reader)
+                if op not in bucketed]
     if buckets:
         program.ops = _rewrite(program.ops, buckets, position, first_reader)
     return program
@@ -70,13 +74,14 @@ def _candidates(program: Program, position: dict[Op, int]) -> list[Op]:
     return sorted(found, key=lambda op: position[op.args[0].producer])
 
 
-def _result_reductions(program: Program) -> list[Op]:
-    """All-reduces whose result only the output op reads, of a value a call makes."""
-    readers = program.users()
+def _early_reductions(program: Program, position: dict[Op, int],
+                      first_reader: dict[Value, int]) -> list[Op]:
+    """Single all-reduces of a value a call makes ``EARLY`` or more ops before anything
+    reads the result."""
     return [op for op in program.ops
             if op.kind is OpKind.COMM and isinstance(op.attrs.get("_step"), AllReduce)
             and op.args[0].producer is not None and op.args[0].producer.kind is OpKind.CALL
-            and all(r.kind is OpKind.OUTPUT for r in readers.get(op.outputs[0], ()))]
+            and first_reader[op.outputs[0]] - position[op.args[0].producer] > EARLY]
 
 
 @dataclass
@@ -135,7 +140,7 @@ def _pair(bucket: _Bucket, number: int) -> tuple[Op, Op]:
     step = comms[0].attrs["_step"]
     inputs = tuple(c.args[0] for c in comms)
     handle = Value(HANDLE)
-    what = "gradients" if comms[0].attrs["_for"] == Role.OPTIMIZER.value else "results"
+    what = "gradients" if comms[0].attrs["_for"] == Role.OPTIMIZER.value else "values"
     text = f"bucket {number}: {len(comms)} {what}, {bucket.bytes / MIB:.2f} MiB, {step}"
     start = Op(OpKind.COMM, "comm.all_reduce_start", inputs, outputs=[handle],
                role=Role.COMM, module=comms[-1].module,

@@ -83,7 +83,7 @@ def test_the_reported_loss_is_reduced_while_the_backward_runs():
     wait = loss.producer
     assert wait.target == "comm.wait" and program.ops.index(wait) == len(program.ops) - 2
     start = wait.args[0].producer
-    assert "1 results" in start.attrs["step"]
+    assert "1 values" in start.attrs["step"]
     made = program.ops.index(start.args[0].producer)
     assert program.ops.index(start) == made + 1
     assert any(op.role is Role.BACKWARD for op in program.ops[made:program.ops.index(wait)])
