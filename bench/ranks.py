@@ -12,6 +12,7 @@ booked against the next step.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -70,6 +71,19 @@ def _relay(stream) -> None:
     for line in stream:
         if not line.startswith("USDT:"):
             print(line, end="", flush=True)
+
+
+def gpt_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options both distributed benchmarks take: the GPT, the batch, the steps."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--profile", action="store_true")
+    return parser
 
 
 def main(script: str, rank_main: Callable[[], object]) -> None:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from ranks import finish, init, main, paired, report, state_bytes  # noqa: E402
+from ranks import finish, gpt_arguments, init, main, paired, report, state_bytes  # noqa: E402
 
 CHECKED_STEPS = 3
 COLWISE, ROWWISE = ("attn.qkv", "fc1"), ("attn.proj", "fc2")
@@ -73,15 +73,7 @@ def dtensor_model(model: GPT, mesh: DeviceMesh) -> GPT:
 
 
 def _args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--profile", action="store_true")
-    return parser.parse_args(argv)
+    return gpt_arguments(__doc__).parse_args(argv)
 
 
 def rank_main(args: argparse.Namespace) -> None:
