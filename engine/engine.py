@@ -161,7 +161,8 @@ class Engine:
         ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode,
                           rank=self.launch_rank if self.distributed else 0,
                           world_size=self.launch_world_size,
-                          param_annotations=self._param_annotations())
+                          param_annotations=self._param_annotations(),
+                          kept_placements=dict(self._kept))
         manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
         program = manager.run(captured.program, ctx)
         for op in program.states(StateKind.PARAM):
@@ -187,11 +188,8 @@ class Engine:
         return None
 
     def _param_annotations(self) -> dict:
-        """``shard_tensor`` placements on parameters, and where earlier programs of this
-        engine put the others (a parameter keeps one placement)."""
         found = {name: param_annotation(p) for name, p in self.model.named_parameters()}
-        pinned = {name: dist for name, dist in found.items() if dist is not None}
-        return {**self._kept, **pinned}
+        return {name: dist for name, dist in found.items() if dist is not None}
 
     def _fresh_optimizer_state(self, name: str) -> torch.Tensor | None:
         """The full initial value of optimizer state ``<param>/<key>`` (None where torch

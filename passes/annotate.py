@@ -52,6 +52,10 @@ def annotate(program: Program, ctx: PassContext) -> Program:
     for name, dist in ctx.param_annotations.items():
         if name in params:
             _pin(params[name], dist, Reason("annotation", f"shard_tensor on parameter {name!r}"))
+    for name, dist in ctx.kept_placements.items():
+        if name in params and params[name].dist is None:
+            _pin(params[name], dist, Reason("annotation", f"parameter {name!r} kept where "
+                                                          "an earlier program placed it"))
     _apply_plan(program, ctx, params)
     _apply_sequence_parallel(program, ctx, params)
     _apply_data_parallel(program, ctx)

@@ -23,6 +23,9 @@ class PassContext:
     mesh: ProcessMesh | None = None
     # shard_tensor placements given to parameters before planning, by parameter FQN.
     param_annotations: dict[str, DistAttr] = field(default_factory=dict)
+    # where earlier programs of the same engine placed each parameter: a parameter keeps
+    # one placement (eval and predict programs read the pieces training updates)
+    kept_placements: dict[str, DistAttr] = field(default_factory=dict)
 
     def name_of(self, param: torch.Tensor) -> str:
         try:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import autopar as ap
+from autopar.ir import OpKind, StateKind
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.strategy import UnsupportedStrategyError
@@ -138,3 +139,16 @@ def test_verbose_logs_on_rank0(capsys):
     engine.fit(regression_data(8, 16, 8), batch_size=4, log_freq=1, verbose=2)
     out = capsys.readouterr().out
     assert "step 1/" in out and "loss:" in out
+
+
+def test_later_programs_keep_parameters_where_training_placed_them():
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"})
+    _, engine = _mlp_engine(strategy=strategy)
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    train = engine.prepare(x, y)
+    evaluation = engine.prepare(x, y, mode="eval")
+    placed = lambda program: {op.attrs["name"]: op.result.dist  # noqa: E731
+                              for op in program.ops_of(OpKind.STATE)
+                              if op.attrs["state"] is StateKind.PARAM}
+    assert placed(evaluation) == placed(train)
+    assert "kept where an earlier program placed it" in engine.explain("head.weight", mode="eval")
