@@ -25,9 +25,11 @@ from ..passes.explain import explain_value
 from ..passes.lower_optimizer import initial_state
 from ..passes.manager import PassManager
 from ..passes.partition import partition
+from ..pipeline.jobs import PipelinePlan, plan_pipeline
 from ..runtime.distributed import RankPieces, input_cutter, rank_executor
 from ..runtime.executor import Executor
 from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups
+from ..runtime.pipeline_simulator import PipelineSimulator
 from ..runtime.simulator import SimulatedExecutor
 from ..strategy import Strategy
 from .data import batch_size_of, batches
@@ -36,7 +38,7 @@ from .offline import PlanningDone, current_session
 
 # Strategy sections this version can plan (completion places every value); any other
 # enabled section is refused up front.
-PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel"}
+PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel", "pipeline"}
 
 Metric = Callable[[Any, Any], float]
 
@@ -54,6 +56,7 @@ class Plan:
     executor: Executor | SimulatedExecutor | None = None
     local: Program | None = None  # this rank's program, on real processes
     cut_inputs: Callable[[dict], dict] | None = None   # full feeds -> this rank's
+    pipeline: PipelinePlan | None = None   # every pipeline rank's jobs and messages
 
 
 class Engine:
@@ -120,6 +123,8 @@ class Engine:
             raise PlanningDone()
         if plan.executor is not None:
             return plan
+        if plan.pipeline is not None:
+            return self._runnable_pipeline(plan)
         several = plan.mesh is not None and plan.mesh.size > 1
         if several and not self.strategy.debug.simulate:
             groups = self._groups(plan.mesh)
@@ -131,6 +136,14 @@ class Engine:
             self.strategy.check_world_size(self.launch_world_size)
         self._init_optimizer_state(plan.program)
         plan.executor = (SimulatedExecutor if several else Executor)(plan.program, self.state)
+        return plan
+
+    def _runnable_pipeline(self, plan: Plan) -> Plan:
+        layout = plan.pipeline.layout
+        if not self.strategy.debug.simulate and layout.world_size > 1:
+            raise NotImplementedError("pipeline on real processes: not wired yet")
+        self._init_optimizer_state(plan.program)
+        plan.executor = PipelineSimulator(plan.program, plan.pipeline, self.state)
         return plan
 
     def _groups(self, mesh: ProcessMesh) -> MeshGroups:
@@ -162,14 +175,18 @@ class Engine:
                           rank=self.launch_rank if self.distributed else 0,
                           world_size=self.launch_world_size,
                           param_annotations=self._param_annotations(),
-                          kept_placements=dict(self._kept))
+                          kept_placements=dict(self._kept),
+                          pipeline=self.strategy.pipeline_layout(),
+                          micro_batches=self._micro_batches(mode, inputs, labels))
         manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
         program = manager.run(captured.program, ctx)
         for op in program.states(StateKind.PARAM):
             if op.result.dist is not None:
                 self._kept.setdefault(op.attrs["name"], op.result.dist)
         plan = Plan(captured.spec, program, dict(manager.timings), ctx.mesh)
-        if ctx.mesh is not None and ctx.mesh.size > 1:
+        if ctx.pipeline is not None:
+            plan.pipeline = plan_pipeline(program, ctx.pipeline, ctx.schedule)
+        elif ctx.mesh is not None and ctx.mesh.size > 1:
             plan.local = self._partition(program, ctx.mesh, manager, ctx)
         return plan
 
@@ -186,6 +203,25 @@ class Engine:
                 local = partition(program, mesh.coordinate(rank))
                 manager.dump_rank_program(local, "partition", rank, ctx)
         return None
+
+    def _micro_batches(self, mode: str, inputs: Any, labels: Any) -> int | None:
+        """How many micro-batches a pipelined program of this batch uses: the strategy's for
+        training (the batch must divide into dp x micro_batches, or the gradient would not
+        be the full batch's), at most one row each for eval and predict."""
+        pipe = self.strategy.pipeline
+        if pipe is None:
+            return None
+        rows = batch_size_of(inputs)
+        dp = self.strategy.degree("data_parallel")
+        if mode == "train":
+            if rows % (dp * pipe.micro_batches):
+                raise ValueError(
+                    f"batch of {rows} rows does not split into data_parallel={dp} x "
+                    f"pipeline.micro_batches={pipe.micro_batches} equal micro-batches "
+                    f"({dp * pipe.micro_batches} must divide the global batch size); "
+                    f"use a batch size that is a multiple of {dp * pipe.micro_batches}")
+            return pipe.micro_batches
+        return max(1, min(pipe.micro_batches, rows // dp))
 
     def _param_annotations(self) -> dict:
         found = {name: param_annotation(p) for name, p in self.model.named_parameters()}

@@ -85,9 +85,24 @@ class _Annotator:
                 h.remove()
 
 
+def _mark_grad_fn(seq: int | None) -> None:
+    """Record in the preserved ``custom`` meta which autograd node is running (None between
+    nodes). fx's own ``seq_nr`` falls back to the last forward node outside a node's
+    backward, which would link the engine's gradient accumulation (the ``add`` summing the
+    gradients of a value used twice) to the loss."""
+    custom = dict(fx_traceback.current_meta.get("custom") or {})
+    if seq is None:
+        custom.pop("grad_fn", None)
+    else:
+        custom["grad_fn"] = seq
+    fx_traceback.current_meta["custom"] = custom
+
+
 def _link_backward_to_forward(root: torch.autograd.graph.Node | None) -> None:
     """While autograd runs a node's backward, mark created fx nodes with that node's
     sequence number; the forward op that created the node carries the same number."""
+    if root is not None:    # the loss's own gradient (the seed) is made before any node runs
+        _mark_grad_fn(root._sequence_nr())
     seen: set = set()
     todo = [root]
     while todo:
@@ -100,10 +115,12 @@ def _link_backward_to_forward(root: torch.autograd.graph.Node | None) -> None:
         def enter(grad_outputs, seq=seq):
             fx_traceback.current_meta["in_grad_fn"] = 1
             fx_traceback.current_meta["grad_fn_seq_nr"] = [seq]
+            _mark_grad_fn(seq)
 
         def leave(grad_inputs, grad_outputs):
             fx_traceback.current_meta.pop("in_grad_fn", None)
             fx_traceback.current_meta.pop("grad_fn_seq_nr", None)
+            _mark_grad_fn(None)
 
         node.register_prehook(enter)
         node.register_hook(leave)

@@ -105,14 +105,14 @@ class Slot:
     """What one program result means: the loss, a parameter's gradient, a model output,
     or the new value of a piece of state (written back by the runtime)."""
 
-    kind: str  # "loss" | "grad" | "output" | "update"
+    kind: str  # "loss" | "grad" | "output" | "update"; a pipeline job's: "carry" | "accumulate"
     name: str = ""
 
     def __str__(self) -> str:
         return f"{self.kind}[{self.name}]" if self.name else self.kind
 
 
-SLOT_KINDS = ("loss", "grad", "output", "update")
+SLOT_KINDS = ("loss", "grad", "output", "update", "carry", "accumulate")
 
 _op_ids = itertools.count()
 

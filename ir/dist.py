@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "ProcessMesh", "Placement", "Shard", "Replicate", "Partial", "PARTIAL_OPS", "DistAttr",
+    "ProcessMesh", "MICRO_BATCH_DIM", "micro_batch_dim", "Placement", "Shard", "Replicate", "Partial", "PARTIAL_OPS", "DistAttr",
     "local_size", "local_offset", "local_shape", "local_offsets", "local_slices",
     "local_runs", "is_grouped", "chunk_grouped", "cat_grouped", "shard_tensor_local", "assemble", "format_placements", "parse_placements",
 ]
@@ -226,6 +226,18 @@ def _validate_mesh(arr: np.ndarray, names: tuple[str, ...], text: str) -> None:
         raise ValueError(f"ProcessMesh: {len(names)} dim_names for a {arr.ndim}-D mesh ({text})")
     if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"ProcessMesh: dim_names must be unique non-empty strings ({text})")
+
+
+# A pipeline's micro-batches are a mesh dim of the logical mesh placements are made on
+# (``pipeline.layout``): the batch is sharded over it like over data parallel ranks, but its
+# "ranks" are one process at different times. Reductions over it are gradient accumulation.
+MICRO_BATCH_DIM = "mb"
+
+
+def micro_batch_dim(mesh: ProcessMesh) -> int | None:
+    """The index of the micro-batch dim of a pipeline's logical mesh; None for other meshes."""
+    names = mesh.dim_names
+    return names.index(MICRO_BATCH_DIM) if MICRO_BATCH_DIM in names else None
 
 
 # --------------------------------------------------------------------------- placements

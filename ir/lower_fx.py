@@ -94,7 +94,9 @@ class Lowering:
             return self.default_role, custom.get("module", ""), None
         role = _PHASE_ROLE[custom.get("phase", "fwd")]
         module = custom.get("module", "")
-        seq = node.meta.get("seq_nr")
+        # a backward op made while an autograd node ran differentiates that node's forward
+        # op; one made between nodes (gradient accumulation, the loss's seed) none
+        seq = custom.get("grad_fn")
         if role is Role.BACKWARD and isinstance(seq, int) and seq in self.first_op_by_seq:
             forward = self.first_op_by_seq[seq]
             return role, forward.module, forward

@@ -59,14 +59,20 @@ def _format_op(op: Op, name: _Namer) -> str:
         return f"{lhs} = input {op.attrs['name']!r}"
     if op.kind is OpKind.STATE:
         return f"{lhs} = state {op.attrs['state'].value} {op.attrs['name']!r}"
+    lhs = f"{lhs} = " if lhs else ""      # a send, an RNG restore: no results
     args = [_format_arg(a, name) for a in op.args]
     args += [f"{k}={_format_arg(v, name)}" for k, v in op.kwargs.items()]
     shown_attrs = {k: v for k, v in op.attrs.items() if not k.startswith("_")}
     attrs = f" {_format_arg(shown_attrs, name)}" if shown_attrs else ""
-    text = f"{lhs} = {_target_name(op.target)}({', '.join(args)}){attrs}"
+    text = f"{lhs}{_target_name(op.target)}({', '.join(args)}){attrs}"
     note = [op.module or "-", op.role.value]
     if op.forward_op is not None and op.forward_op.outputs:
         note.append(f"of {name(op.forward_op.outputs[0])}")
+    # pipelines: where the op runs (its stage, then its stages and phases)
+    if "_homes" in op.attrs:
+        note.append(f"@{op.attrs['_homes']}")
+    elif "_stage" in op.attrs:
+        note.append(f"@s{op.attrs['_stage']}")
     return f"{text}  # {' '.join(note)}{_reshards(op, name, '; ')}"
 
 

@@ -30,7 +30,10 @@ import fnmatch
 
 from ..annotations import ANNOTATE_TARGET, decode
 from ..ir import Op, OpKind, Program, Role, StateKind, Value
-from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
+from ..ir.dist import (MICRO_BATCH_DIM, DistAttr, Partial, Placement, ProcessMesh, Replicate,
+                       Shard, micro_batch_dim)
+from ..pipeline.layout import PipelineLayout
+from ..pipeline.schedules import check_schedule_args
 from ..spmd import lookup
 from ..spmd.registry import tensor_inputs
 from .context import PassContext
@@ -43,22 +46,26 @@ class AnnotationError(ValueError):
 
 def annotate(program: Program, ctx: PassContext) -> Program:
     traced = _lower_traced_annotations(program)
-    ctx.mesh = _settle_mesh(ctx, traced)
+    params = {op.attrs["name"]: op.result for op in program.states(StateKind.PARAM)}
+    ctx.mesh = _settle_mesh(ctx, traced, program, params)
     if ctx.mesh is None:
         return program
-    params = {op.attrs["name"]: op.result for op in program.states(StateKind.PARAM)}
+    annotations = dict(ctx.param_annotations)
+    if ctx.pipeline is not None:
+        annotations = _to_logical(ctx, traced, annotations)
     for op in traced:
         _pin(op.result, op.attrs["dist"], Reason("annotation", "shard_tensor in forward"))
-    for name, dist in ctx.param_annotations.items():
+    for name, dist in annotations.items():
         if name in params:
             _pin(params[name], dist, Reason("annotation", f"shard_tensor on parameter {name!r}"))
     for name, dist in ctx.kept_placements.items():
         if name in params and params[name].dist is None:
-            _pin(params[name], dist, Reason("annotation", f"parameter {name!r} kept where "
-                                                          "an earlier program placed it"))
+            _pin(params[name], _rebased(dist, ctx.mesh),
+                 Reason("annotation", f"parameter {name!r} kept where an earlier program "
+                                      "placed it"))
     _apply_plan(program, ctx, params)
     _apply_sequence_parallel(program, ctx, params)
-    _apply_data_parallel(program, ctx)
+    _apply_batch_sharding(program, ctx)
     return program
 
 
@@ -90,10 +97,18 @@ def _lower_traced_annotations(program: Program) -> list[Op]:
     return found
 
 
-def _settle_mesh(ctx: PassContext, traced: list[Op]) -> ProcessMesh | None:
+def _settle_mesh(ctx: PassContext, traced: list[Op], program: Program,
+                 params: dict[str, Value]) -> ProcessMesh | None:
     meshes = [(f"shard_tensor on {n!r}", d.mesh) for n, d in ctx.param_annotations.items()]
     meshes += [(f"shard_tensor in {op.module or 'forward'}", op.attrs["dist"].mesh)
                for op in traced]
+    if ctx.pipeline is None and ctx.strategy.mesh is None and (
+            ctx.strategy.pipeline is not None or len({m for _, m in meshes}) > 1):
+        ctx.pipeline = _stages_from_meshes(ctx, traced, program, params)
+    if ctx.pipeline is not None:
+        if ctx.micro_batches is not None:
+            ctx.pipeline = ctx.pipeline.with_micro_batches(ctx.micro_batches)
+        return ctx.pipeline.logical_mesh
     mesh = ctx.strategy.process_mesh()
     if mesh is not None:
         meshes.insert(0, ("the strategy", mesh))
@@ -106,6 +121,78 @@ def _settle_mesh(ctx: PassContext, traced: list[Op]) -> ProcessMesh | None:
                 f"{where} uses {other}, but {first_where} uses {first}: a program runs on one "
                 "mesh (placements across several meshes are pipeline stages)")
     return first
+
+
+# -- pipelines ------------------------------------------------------------------------------
+
+def _stages_from_meshes(ctx: PassContext, traced: list[Op], program: Program,
+                        params: dict[str, Value]) -> PipelineLayout:
+    """Semi-auto pipelines: layers annotated on several meshes of one shape are stages, in
+    the order the forward first uses each mesh."""
+    position = {op: i for i, op in enumerate(program.ops)}
+    users = program.users()
+    first: dict[ProcessMesh, int] = {}
+    for op in traced:
+        first.setdefault(op.attrs["dist"].mesh, position[op])
+    for name, dist in ctx.param_annotations.items():
+        uses = [position[u] for u in users.get(params.get(name), ()) if u.role is Role.FORWARD]
+        if uses:
+            first[dist.mesh] = min(first.get(dist.mesh, uses[0]), min(uses))
+    pipe = ctx.strategy.pipeline
+    if len(first) < 2:
+        raise AnnotationError(
+            f"the strategy has a pipeline section ({pipe.describe() if pipe else ''}) but no "
+            "mesh: its stages come from the meshes layers are annotated on, and "
+            f"{'only one mesh is' if first else 'no mesh is'} used; annotate each stage's "
+            "layers with shard_tensor on its own mesh, or give the strategy a mesh with the "
+            "pipeline axis")
+    meshes = sorted(first, key=first.get)
+    micro_batches = pipe.micro_batches if pipe is not None else 1
+    schedule = pipe.schedule if pipe is not None else "FThenB"
+    if pipe is not None and pipe.vpp_chunks > 1:
+        raise AnnotationError("pipeline schedule VPP needs a strategy mesh with the pipeline "
+                              "axis: stages annotated on meshes are one chunk per rank")
+    try:
+        layout = PipelineLayout.from_stage_meshes(meshes, micro_batches, schedule)
+        check_schedule_args(schedule, layout.ranks, micro_batches, 1)
+    except ValueError as err:
+        raise AnnotationError(f"pipeline stages from annotated meshes: {err}") from None
+    return layout
+
+
+def _to_logical(ctx: PassContext, traced: list[Op],
+                annotations: dict[str, DistAttr]) -> dict[str, DistAttr]:
+    """Annotations on the strategy mesh or a stage's mesh, moved onto the logical mesh; a
+    stage's mesh also ties the value to that stage (``_stage_hint``, ``ctx.param_stages``)."""
+    strategy_mesh = ctx.strategy.process_mesh()
+    moved = {}
+    for op in traced:
+        op.attrs["dist"], hint = _translated(ctx, op.attrs["dist"], strategy_mesh,
+                                             f"shard_tensor in {op.module or 'forward'}")
+        if hint is not None:
+            op.attrs["_stage_hint"] = hint
+    for name, dist in annotations.items():
+        moved[name], hint = _translated(ctx, dist, strategy_mesh, f"shard_tensor on {name!r}")
+        if hint is not None:
+            ctx.param_stages[name] = hint
+    return moved
+
+
+def _translated(ctx: PassContext, dist: DistAttr, strategy_mesh: ProcessMesh | None,
+                where: str) -> tuple[DistAttr, int | None]:
+    try:
+        moved, hint = ctx.pipeline.to_logical(dist, strategy_mesh)
+    except ValueError as err:
+        raise AnnotationError(f"{where}: {err}") from None
+    return _trivial_dims_replicated(moved), hint
+
+
+def _rebased(dist: DistAttr, mesh: ProcessMesh) -> DistAttr:
+    """A kept placement made on another program's logical mesh (another micro-batch count)
+    on this one: state is replicated over micro-batches, the other dims are the same."""
+    if dist.mesh == mesh or micro_batch_dim(dist.mesh) is None or micro_batch_dim(mesh) is None:
+        return dist
+    return DistAttr(mesh, tuple(dist.placements[:-1]) + (Replicate(),))
 
 
 # -- tensor_parallel.plan -----------------------------------------------------------------
@@ -333,14 +420,21 @@ def _annotate_activation(program: Program, value: Value, dist: DistAttr, axis: i
 
 # -- data_parallel ---------------------------------------------------------------------
 
-def _apply_data_parallel(program: Program, ctx: PassContext) -> None:
+def _apply_batch_sharding(program: Program, ctx: PassContext) -> None:
+    """The batch dim of every input and label: Shard(0) over data parallel ranks, then over a
+    pipeline's micro-batches (dp cuts the global batch, each dp piece is cut in turn)."""
+    dist, why = DistAttr.replicated(ctx.mesh), []
     dp = ctx.strategy.data_parallel
-    if dp is None or not dp.is_enabled:
+    if dp is not None and dp.is_enabled:
+        dist = dist.with_placement(dp.axis, Shard(0))
+        why.append(f"data_parallel.axis {dp.axis}: batch dim 0")
+    if ctx.pipeline is not None and ctx.pipeline.micro_batches > 1:
+        dist = dist.with_placement(MICRO_BATCH_DIM, Shard(0))
+        why.append(f"pipeline: {ctx.pipeline.micro_batches} micro-batches of each piece")
+    if not why:
         return
-    axis = ctx.mesh.dim_index(dp.axis)
     for op in program.ops_of(OpKind.INPUT):
         value = op.outputs[0]
         if value.is_tensor and op.attrs["name"].startswith("batch/") and value.type.shape:
             if value.dist is None:
-                _pin(value, DistAttr.replicated(ctx.mesh).with_placement(axis, Shard(0)),
-                     Reason("data_parallel", f"data_parallel.axis {dp.axis}: batch dim 0"))
+                _pin(value, dist, Reason("data_parallel", "; ".join(why)))

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.core import OpaqueType
+from ..ir.dist import micro_batch_dim
 from ..reshard.steps import AllReduce
 from .context import PassContext
+from .split_stages import STAGE
 
 HANDLE = OpaqueType("!comm.handle")
 MIB = 1 << 20
@@ -62,15 +64,36 @@ def _first_readers(program: Program, position: dict[Op, int]) -> dict[Value, int
     return first
 
 
+def _over_micro_batches(op: Op) -> bool:
+    """Whether an all-reduce step is over a pipeline's micro-batch dim: accumulation over
+    time on one rank, not a collective, so never bucketed."""
+    return op.attrs["_step"].mesh_dim == micro_batch_dim(op.args[0].dist.mesh)
+
+
+def _is_all_reduce(op: Op) -> bool:
+    """A single all-reduce over a mesh dim of processes."""
+    return (op.kind is OpKind.COMM and isinstance(op.attrs.get("_step"), AllReduce)
+            and not _over_micro_batches(op))
+
+
+def _computed_by(value: Value) -> Op | None:
+    """The call that made ``value``, looking through its accumulation over micro-batches."""
+    producer = value.producer
+    while (producer is not None and producer.kind is OpKind.COMM
+           and isinstance(producer.attrs.get("_step"), AllReduce)
+           and _over_micro_batches(producer)):
+        producer = producer.args[0].producer
+    return producer if producer is not None and producer.kind is OpKind.CALL else None
+
+
 def _candidates(program: Program, position: dict[Op, int]) -> list[Op]:
-    """Single-step gradient all-reduces: a backward op's result, read by the optimizer
-    (or clipping) only, in the order the backward produces the gradients."""
+    """Single-step gradient all-reduces: a backward op's result (accumulated over a
+    pipeline's micro-batches, if any), read by the optimizer (or clipping) only, in the
+    order the backward produces the gradients."""
     found = [op for op in program.ops
-             if op.kind is OpKind.COMM and isinstance(op.attrs.get("_step"), AllReduce)
-             and op.attrs.get("_for") == Role.OPTIMIZER.value
-             and op.args[0].producer is not None
-             and op.args[0].producer.kind is OpKind.CALL
-             and op.args[0].producer.role is Role.BACKWARD]
+             if _is_all_reduce(op) and op.attrs.get("_for") == Role.OPTIMIZER.value
+             and (made := _computed_by(op.args[0])) is not None
+             and made.role is Role.BACKWARD]
     return sorted(found, key=lambda op: position[op.args[0].producer])
 
 
@@ -79,9 +102,16 @@ def _early_reductions(program: Program, position: dict[Op, int],
     """Single all-reduces of a value a call makes ``EARLY`` or more ops before anything
     reads the result."""
     return [op for op in program.ops
-            if op.kind is OpKind.COMM and isinstance(op.attrs.get("_step"), AllReduce)
+            if _is_all_reduce(op)
             and op.args[0].producer is not None and op.args[0].producer.kind is OpKind.CALL
             and first_reader[op.outputs[0]] - position[op.args[0].producer] > EARLY]
+
+
+def _stage_of(comm: Op) -> int | None:
+    """The pipeline stage whose values a comm op moves (None without a pipeline): a bucket
+    is one collective, so it never mixes stages."""
+    made = _computed_by(comm.args[0])
+    return made.attrs.get(STAGE) if made is not None else None
 
 
 @dataclass
@@ -92,8 +122,12 @@ class _Bucket:
     needed: int = 1 << 62    # position of the first reader of any result
 
     def key(self) -> tuple:
-        step, v = self.comms[0].attrs["_step"], self.comms[0].args[0]
-        return step.mesh_dim, step.op, v.type.dtype
+        return _key(self.comms[0])
+
+
+def _key(comm: Op) -> tuple:
+    step, v = comm.attrs["_step"], comm.args[0]
+    return step.mesh_dim, step.op, v.type.dtype, _stage_of(comm)
 
 
 def _buckets(candidates: list[Op], position: dict[Op, int], first_reader: dict[Value, int],
@@ -101,8 +135,8 @@ def _buckets(candidates: list[Op], position: dict[Op, int], first_reader: dict[V
     open_: dict[tuple, _Bucket] = {}
     done: list[_Bucket] = []
     for comm in candidates:
-        step, v = comm.attrs["_step"], comm.args[0]
-        key = (step.mesh_dim, step.op, v.type.dtype)
+        v = comm.args[0]
+        key = _key(comm)
         ready, needed = position[v.producer], first_reader[comm.outputs[0]]
         bucket = open_.get(key)
         limit = min(cap, FIRST_BUCKET) if not any(b.key() == key for b in done) else cap

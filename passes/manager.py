@@ -18,20 +18,30 @@ from .explain import format_explanations
 from .fold_noops import fold_noops
 from .lower_optimizer import lower_optimizer
 from .bucket_collectives import bucket_collectives
+from .pipeline_jobs import pipeline_jobs
 from .reshard import reshard
+from .schedule import format_schedule, schedule
+from .split_stages import split_stages
 from .vocab_parallel_loss import vocab_parallel_loss
 
 PassFn = Callable[[Program, PassContext], Program]
+Report = Callable[[Program, PassContext], str]
+
+
+def _explanations(program: Program, ctx: PassContext) -> str:
+    return format_explanations(program) if ctx.mesh is not None else ""
 
 
 @dataclass(frozen=True)
 class Pass:
     name: str
     run: PassFn
-    explains: bool = False   # dump why each value has its placement, next to the program
+    # extra dumps next to the program, ``NN_<name>.<suffix>.txt`` (skipped when empty)
+    reports: tuple[tuple[str, Report], ...] = ()
 
 
-# The pipeline, in order. Later issues add partition and pipeline scheduling here.
+# The passes, in order; each rank's local program (partition) and a pipeline's jobs are cut
+# from the result.
 PIPELINE: tuple[Pass, ...] = (
     Pass("decompose_loss", decompose_loss),
     Pass("fold_noops", fold_noops),
@@ -40,9 +50,12 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("lower_optimizer", lower_optimizer),
     Pass("vocab_parallel_loss", vocab_parallel_loss),
     Pass("annotate", annotate),
-    Pass("completion", completion, explains=True),
+    Pass("split_stages", split_stages),
+    Pass("completion", completion, reports=(("explain", _explanations),)),
     Pass("reshard", reshard),
     Pass("bucket_collectives", bucket_collectives),
+    Pass("pipeline_jobs", pipeline_jobs),
+    Pass("schedule", schedule, reports=(("jobs", format_schedule),)),
 )
 
 
@@ -72,7 +85,7 @@ class PassManager:
                              f"mode {ctx.mode})")
                 raise
             self.timings[p.name] = time.perf_counter() - start
-            self._check(program, p.name, ctx, number, p.explains)
+            self._check(program, p.name, ctx, number, p.reports)
         self._dump_timings(ctx)
         return program
 
@@ -91,7 +104,7 @@ class PassManager:
         self._check(program, name, ctx, len(self.passes) + 1, rank=rank)
 
     def _check(self, program: Program, name: str, ctx: PassContext, number: int,
-               explains: bool = False, rank: int | None = None) -> None:
+               reports: tuple[tuple[str, Report], ...] = (), rank: int | None = None) -> None:
         if self.verify:
             try:
                 verify(program)
@@ -105,7 +118,9 @@ class PassManager:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(format_program(program))
             self.dumped.append(path)
-            if explains and ctx.mesh is not None:
-                why = path.with_name(f"{path.stem}.explain.txt")
-                why.write_text(format_explanations(program))
-                self.dumped.append(why)
+            for suffix, report in reports:
+                text = report(program, ctx)
+                if text:
+                    extra = path.with_name(f"{path.stem}.{suffix}.txt")
+                    extra.write_text(text)
+                    self.dumped.append(extra)

@@ -21,6 +21,10 @@ Validity of a step in a state (why each rule exists):
   groups; it has no all-to-all (S <-> S with a grouped side goes through R).
 * New partials (R -> P) cost nothing and are valid anywhere: the extra terms are zeros
   (sum) or copies (avg/max/min), which every reduction order folds back to the value.
+* A pipeline's micro-batch dim ``mb`` is time, not processes: over it only sums, gathers,
+  slices and new partials exist, they cost nothing, and any other step costs once per
+  micro-batch while the value still differs between micro-batches (so gradients are
+  accumulated before they are all-reduced).
 """
 from __future__ import annotations
 
@@ -30,14 +34,18 @@ from functools import lru_cache
 from typing import Sequence
 
 from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard, \
-    format_placements
-from .steps import (AllGather, AllReduce, AllToAll, ReduceScatter, Slice, Step,
+    format_placements, micro_batch_dim
+from .steps import (AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step,
                     parent_shape, transition)
 
 __all__ = ["plan_reshard", "naive_plan", "plan_cost", "step_is_valid"]
 
 State = tuple[Placement, ...]
 _LINEAR_OPS = frozenset({"sum", "avg"})
+# Over a pipeline's micro-batch dim (one process at different times) a value can only be
+# summed or gathered once every micro-batch has made its term, or cut into a micro-batch's
+# own piece; each is local work, not communication.
+_OVER_TIME = (AllReduce, AllGather, Slice, MakePartial)
 
 
 def _innermost(state: State, mesh_dim: int, tensor_dim: int) -> bool:
@@ -66,6 +74,8 @@ def step_is_valid(step: Step, shape: Sequence[int], mesh: ProcessMesh,
     """Whether ``step`` is exact from placements ``state`` (see the module docstring)."""
     state, d = tuple(state), step.mesh_dim
     if state[d] != step.src:
+        return False
+    if d == micro_batch_dim(mesh) and not isinstance(step, _OVER_TIME):
         return False
     if isinstance(step, (AllReduce, ReduceScatter)) and not _reduction_commutes(state, d):
         return False
@@ -148,7 +158,9 @@ def plan_reshard(shape: Sequence[int], src: DistAttr, dst: DistAttr,
             for target in options:
                 step = transition(d, state[d], target, mesh.dim_names[d])
                 if step is not None and step_is_valid(step, shape, mesh, state):
-                    out.append((step.cost(shape, mesh, state, itemsize), step))
+                    cost = 0.0 if d == micro_batch_dim(mesh) else \
+                        step.cost(shape, mesh, state, itemsize) * _repeats(mesh, state, d)
+                    out.append((cost, step))
         return out
 
     # Keys are (bytes rounded to 1e-6, steps): float noise must not beat a shorter plan.
@@ -168,6 +180,16 @@ def plan_reshard(shape: Sequence[int], src: DistAttr, dst: DistAttr,
     raise RuntimeError(f"no reshard plan for shape {list(shape)} from "
                          f"{format_placements(src.placements)} to "
                          f"{format_placements(goal)} on {mesh}: naive_plan should exist")
+
+
+def _repeats(mesh: ProcessMesh, state: State, mesh_dim: int) -> int:
+    """How often a step runs per training step: once per micro-batch while the value still
+    differs between micro-batches (sharded or partial over a pipeline's ``mb`` dim), else
+    once. So a gradient is accumulated over micro-batches before it is all-reduced."""
+    mb = micro_batch_dim(mesh)
+    if mb is None or mesh_dim == mb or state[mb].is_replicate():
+        return 1
+    return mesh.shape[mb]
 
 
 def _path(back: dict, state: State) -> list[Step]:

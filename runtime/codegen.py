@@ -74,7 +74,8 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
                              "collective; a rank program needs its process groups")
         if op.attrs.get("_multi"):
             lhs += ","
-        return f"{lhs} = {em.constant(comm[op])}({', '.join(names[v] for v in op.args)})"
+        call = f"{em.constant(comm[op])}({', '.join(names[v] for v in op.args)})"
+        return f"{lhs} = {call}" if op.outputs else call
     if op.kind is OpKind.INPUT:
         return f"{lhs} = feeds[{op.attrs['name']!r}]"
     if op.kind is OpKind.STATE:
@@ -84,6 +85,8 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
     args = [em.literal(a, names) for a in op.args]
     args += [f"{k}={em.literal(v, names)}" for k, v in op.kwargs.items()]
     call = f"{em.kernel(op.target)}({', '.join(args)})"
+    if not op.outputs:
+        return call
     if op.attrs.get("_multi") and len(op.outputs) == 1:
         lhs += ","
     return f"{lhs} = {call}"

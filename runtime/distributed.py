@@ -23,7 +23,7 @@ from .collectives import Collective, bind_comm, bind_step
 from .executor import Executor, has_random_ops
 from .process_groups import MeshGroups
 
-__all__ = ["RankPieces", "rank_executor", "gather_full"]
+__all__ = ["RankPieces", "rank_executor", "gather_full", "initial_piece"]
 
 
 def rank_executor(program: Program, local: Program | None, groups: MeshGroups,
@@ -80,13 +80,7 @@ class RankPieces:
                         f"({op.module or 'top level'}) wants it at {value.dist}; "
                         "a state value keeps one placement for the engine's lifetime")
                 continue
-            if op.attrs["state"] is StateKind.CONST:
-                whole = op.attrs["_value"]
-            else:
-                whole = full[name] if name in full else make_full(name)
-            # None: a state the first update creates (SGD's momentum buffer)
-            self.tensors[name] = None if whole is None else shard_tensor_local(
-                whole, value.dist.mesh, value.dist.placements, self.groups.coordinate)
+            self.tensors[name] = initial_piece(op, full, make_full, self.groups.coordinate)
             self.dists[name] = value.dist
             self.shapes[name] = tuple(value.type.shape)
 
@@ -97,6 +91,22 @@ class RankPieces:
             return None
         return gather_full(self.tensors[name], self.shapes[name], self.dists[name],
                            self.groups)
+
+
+def initial_piece(op: Op, full: Mapping[str, Any],
+                  make_full: Callable[[str], torch.Tensor | None],
+                  coordinate: tuple[int, ...]) -> torch.Tensor | None:
+    """The piece of state ``op``'s starting value a process at ``coordinate`` holds: cut
+    from the engine's full tensor, from ``make_full`` (fresh optimizer state) or from the
+    constant; None for a state the first update creates (SGD's momentum buffer)."""
+    name, value = op.attrs["name"], op.result
+    if op.attrs["state"] is StateKind.CONST:
+        whole = op.attrs["_value"]
+    else:
+        whole = full[name] if name in full else make_full(name)
+    if whole is None:
+        return None
+    return shard_tensor_local(whole, value.dist.mesh, value.dist.placements, coordinate)
 
 
 def gather_full(piece: torch.Tensor, shape, dist: DistAttr, groups: MeshGroups) -> torch.Tensor:

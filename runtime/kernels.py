@@ -45,3 +45,27 @@ def resolve(target: str) -> Callable:
 def _annotate(x: torch.Tensor) -> torch.Tensor:
     """A placement annotation; on a rank's local program it is the identity."""
     return x
+
+
+# -- pipeline jobs ---------------------------------------------------------------------------
+
+@kernel("autopar.set_rng_state")
+def _set_rng_state(state: torch.Tensor) -> None:
+    """Put the CPU generator where eager's is at a random op (a pipeline rank does not run
+    the random ops of other stages, which eager drew before this one)."""
+    torch.default_generator.set_state(state)
+
+
+@kernel("autopar.micro_batch_slice")
+def _micro_batch_slice(x: torch.Tensor, dim: int, micro_batches: int, index: int,
+                       groups: int = 1) -> torch.Tensor:
+    """Micro-batch ``index``'s piece of a value every micro-batch holds whole."""
+    from ..ir.dist import chunk_grouped
+    return chunk_grouped(x, dim, micro_batches, index, groups)
+
+
+@kernel("autopar.micro_batch_term")
+def _micro_batch_term(x: torch.Tensor, op: str, index: int) -> torch.Tensor:
+    """Micro-batch ``index``'s term of a value that is to be reduced over micro-batches:
+    the first holds it, the others zeros, for a sum; every one holds it otherwise."""
+    return x.clone() if op != "sum" or index == 0 else torch.zeros_like(x)

@@ -48,7 +48,7 @@ def _piece(full: Any, value: Value, coordinate: Coordinate) -> Any:
     return shard_tensor_local(full, value.dist.mesh, value.dist.placements, coordinate)
 
 
-def _call(op, env: dict[Value, Any]) -> list[Any]:
+def call_op(op, env: dict[Value, Any]) -> list[Any]:
     swap = lambda a: env[a] if isinstance(a, Value) else a  # noqa: E731
     args, kwargs = pytree.tree_map(swap, (op.args, op.kwargs),
                                    is_leaf=lambda a: isinstance(a, Value))
@@ -62,7 +62,7 @@ def _call(op, env: dict[Value, Any]) -> list[Any]:
     return out
 
 
-def _communicate(ops: dict[Coordinate, Any], envs: dict, mesh) -> None:
+def communicate(ops: dict[Coordinate, Any], envs: dict, mesh) -> None:
     """One comm op on every rank: a reshard step, a bucket's start (its steps, one per
     input, run at once: the handle holds the results) or a bucket's wait."""
     first = next(iter(ops.values()))
@@ -125,7 +125,7 @@ def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torc
                 for c, op in ops.items():
                     envs[c][op.outputs[0]] = _piece(full, op.outputs[0], c) if mesh else full
             elif first.kind is OpKind.COMM:
-                _communicate(ops, envs, mesh)
+                communicate(ops, envs, mesh)
             elif first.kind is OpKind.CALL:
                 # a random op's local form draws the global tensor and keeps its slice: every
                 # rank draws from the same generator state, which then advances once. Ask
@@ -136,7 +136,7 @@ def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torc
                 for c, op in ops.items():
                     if rng is not None:
                         torch.default_generator.set_state(rng)
-                    for v, x in zip(op.outputs, _call(op, envs[c])):
+                    for v, x in zip(op.outputs, call_op(op, envs[c])):
                         envs[c][v] = x
             else:
                 raise ValueError(f"simulate_step: unknown op kind {first.kind}")

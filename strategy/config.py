@@ -18,6 +18,8 @@ import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
 from ..ir.dist import ProcessMesh
+from ..pipeline.layout import PipelineLayout
+from ..pipeline.schedules import check_schedule_args
 
 from .sections import (
     STRICT,
@@ -130,7 +132,8 @@ class Strategy(BaseModel):
     @model_validator(mode="after")
     def _fits_mesh(self) -> Strategy:
         """All cross-section problems at once, each with the mesh they were checked against."""
-        problems = self._axis_problems() + self._shared_axis_problems() + self._split_problems()
+        problems = (self._axis_problems() + self._shared_axis_problems()
+                    + self._split_problems() + self._schedule_problems())
         if problems:
             raise ValueError(f"strategy does not fit its mesh ({self.describe_mesh()}):\n  - "
                              + "\n  - ".join(problems))
@@ -144,7 +147,10 @@ class Strategy(BaseModel):
     def _axis_problems(self) -> list[str]:
         names = self.mesh.dim_names if self.mesh is not None else ()
         return [f"{name}.axis {config.axis!r} is not one of the mesh dim_names"
-                for name, config in self._axis_sections().items() if config.axis not in names]
+                for name, config in self._axis_sections().items() if config.axis not in names
+                # a pipeline without a mesh takes its stages from the meshes layers are
+                # annotated on (semi-auto); the planner checks there are several
+                and not (name == "pipeline" and self.mesh is None)]
 
     def _shared_axis_problems(self) -> list[str]:
         sections = list(self._axis_sections().items())
@@ -167,12 +173,35 @@ class Strategy(BaseModel):
                 f"but axis {pipe.axis!r} of size {size} x vpp_chunks {pipe.vpp_chunks} = "
                 f"{stages} stages needs {stages - 1}"]
 
+    def _schedule_problems(self) -> list[str]:
+        """What the schedule needs of the micro-batch count (1F1B: at least one per rank)."""
+        pipe = self.pipeline
+        if pipe is None or self.mesh is None or pipe.axis not in self.mesh.dim_names:
+            return []
+        try:
+            check_schedule_args(pipe.schedule, self.mesh.axis_size(pipe.axis),
+                                pipe.micro_batches, pipe.vpp_chunks)
+        except ValueError as err:
+            return [f"pipeline: {err}"]
+        return []
+
     # ---- facts --------------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
         """Processes the strategy runs on: the mesh size, 1 without a mesh."""
         return self.mesh.size if self.mesh is not None else 1
+
+    def pipeline_layout(self) -> PipelineLayout | None:
+        """The pipeline's stages on the strategy mesh; None without a pipeline section or
+        when its stages come from annotated meshes (no mesh)."""
+        if self.pipeline is None or self.mesh is None:
+            return None
+        ids = np.arange(self.mesh.size).reshape(self.mesh.shape)
+        mesh = ProcessMesh(ids, self.mesh.dim_names)
+        pipe = self.pipeline
+        return PipelineLayout.from_mesh(mesh, pipe.axis, pipe.micro_batches, pipe.schedule,
+                                        pipe.vpp_chunks, pipe.split)
 
     def process_mesh(self) -> ProcessMesh | None:
         """The mesh as a ProcessMesh over ranks 0..n-1 in row-major order; None when serial."""

@@ -391,7 +391,14 @@ def pipelines(draw: st.DrawFn, axis: str, mesh: dict) -> dict:
     stages = mesh["shape"][mesh["dim_names"].index(axis)] * chunks
     split = draw(st.just("auto") | st.lists(module_names, min_size=stages - 1,
                                             max_size=stages - 1, unique=True))
-    return {"axis": axis, "schedule": schedule, "micro_batches": draw(st.integers(1, 64)),
+    ranks = mesh["shape"][mesh["dim_names"].index(axis)]
+    # what the schedule needs: 1F1B and ZBH1 a micro-batch per rank at least, VPP a multiple
+    micro_batches = draw(st.integers(1, 64))
+    if schedule in ("1F1B", "ZBH1"):
+        micro_batches = max(micro_batches, ranks)
+    elif schedule == "VPP":
+        micro_batches = ranks * draw(st.integers(1, 16))
+    return {"axis": axis, "schedule": schedule, "micro_batches": micro_batches,
             "split": split, "vpp_chunks": chunks}
 
 

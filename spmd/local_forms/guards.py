@@ -9,7 +9,7 @@ import torch
 from ...ir.core import Op
 from ...runtime.kernels import kernel
 from .context import LocalCall, LocalContext, UnsupportedLocalForm
-from .registry import _draws_random, register_local_form
+from .registry import draws_random, register_local_form
 
 
 # ----------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ _EMPTY_UNSAFE = (
 
 @register_local_form(*_EMPTY_UNSAFE)
 def _empty_guard(op: Op, ctx: LocalContext) -> LocalCall | None:
-    if _draws_random(op) and any(ctx.out_sharded(i) for i in range(len(op.outputs))):
+    if draws_random(op) and any(ctx.out_sharded(i) for i in range(len(op.outputs))):
         raise UnsupportedLocalForm(f"{op.target} with dropout and sharded outputs: its "
                                    "dropout mask cannot be sliced from a global one")
     shapes = [ctx.out_shape(op, i) for i in range(len(op.outputs))]

@@ -29,7 +29,7 @@ def local_call(op: Op, ctx: LocalContext) -> LocalCall:
     form = LOCAL_FORMS.get(op.target)
     call = form(op, ctx) if form is not None else None
     if call is None:
-        if form is None and _draws_random(op) and any(
+        if form is None and draws_random(op) and any(
                 ctx.out_sharded(i) for i, v in enumerate(op.outputs) if v.is_tensor):
             raise UnsupportedLocalForm(
                 f"random op {op.target} ({op.module or 'top level'}) has a sharded output "
@@ -58,7 +58,7 @@ def is_random(target: str) -> bool:
         return False
 
 
-def _draws_random(op: Op) -> bool:
+def draws_random(op: Op) -> bool:
     """Whether the op consumes the generator: tagged random, unless its only randomness is
     a dropout probability that is 0 (attention kernels with ``dropout_p=0``)."""
     if not is_random(op.target):

@@ -1,0 +1,216 @@
+"""Split the program into pipeline stages: which stage computes each forward, loss and
+backward op (``op.attrs["_stage"]``).
+
+The forward is cut, in program order, at the op where each stage begins:
+
+* ``pipeline.split: [blocks.2, ...]`` — the first op of each named module;
+* ``split: auto`` — between layers (the items of the model's ``ModuleList`` such as
+  ``blocks.3``), choosing the cuts that make the costliest stage cheapest, a stage's cost
+  being the FLOPs of its forward ops and of the backward ops that differentiate them;
+* layers annotated on several meshes (semi-auto) — where the forward first uses the next
+  stage's mesh.
+
+The loss runs on the last stage; a backward op runs on the stage of the forward op it
+differentiates. Every other op (comm, optimizer, state, gradient sums) is placed later, by
+``pipeline_jobs``, near the values it reads or the ops that need it.
+"""
+from __future__ import annotations
+
+import re
+
+from ..ir import Op, OpKind, Program, Role
+from ..pipeline.cost import op_flops
+from .context import PassContext
+
+STAGE = "_stage"
+_LAYER = re.compile(r"^(.*\.)?\d+$")
+
+
+class StageSplitError(ValueError):
+    """The model cannot be cut into the stages the strategy asks for."""
+
+
+def split_stages(program: Program, ctx: PassContext) -> Program:
+    layout = ctx.pipeline
+    if layout is None:
+        return program
+    forward = [op for op in program.ops if op.kind is OpKind.CALL and op.role is Role.FORWARD]
+    if not forward:
+        raise StageSplitError("pipeline: the program has no forward ops to cut into stages")
+    if layout.split == "meshes":
+        starts = _starts_from_meshes(forward, ctx)
+    elif layout.split == "auto":
+        starts = _balanced_starts(program, forward, layout.stages)
+    else:
+        starts = _starts_from_names(forward, layout.split)
+    _check_starts(starts, forward, layout.stages)
+    stage = 0
+    for i, op in enumerate(forward):
+        while stage < len(starts) and starts[stage] <= i:
+            stage += 1
+        op.attrs[STAGE] = stage
+    last = layout.stages - 1
+    for op in program.ops:
+        if op.kind is not OpKind.CALL:
+            continue
+        if op.role is Role.LOSS:
+            op.attrs[STAGE] = last
+        elif op.role is Role.BACKWARD and op.forward_op is not None \
+                and STAGE in op.forward_op.attrs:
+            op.attrs[STAGE] = op.forward_op.attrs[STAGE]
+    return program
+
+
+def _check_starts(starts: list[int], forward: list[Op], stages: int) -> None:
+    if len(starts) != stages - 1:
+        raise StageSplitError(f"pipeline: {stages} stages need {stages - 1} cut points, "
+                              f"found {len(starts)}")
+    if starts and starts[0] == 0:
+        raise StageSplitError(f"pipeline: stage 0 would hold no forward op (stage 1 begins "
+                              f"at the first op, {_where(forward[0])})")
+    for a, b in zip(starts, starts[1:]):
+        if b <= a:
+            raise StageSplitError(f"pipeline: stage boundaries must follow the forward's "
+                                  f"order; {_where(forward[b])} does not come after "
+                                  f"{_where(forward[a])}")
+
+
+def _where(op: Op) -> str:
+    return f"{op.target.removesuffix('.default')} in {op.module or 'the top-level module'}"
+
+
+def _inside(op: Op, module: str) -> bool:
+    return op.module == module or op.module.startswith(module + ".")
+
+
+# -- pipeline.split: module names --------------------------------------------------------
+
+def _starts_from_names(forward: list[Op], names: tuple[str, ...]) -> list[int]:
+    starts = []
+    for name in names:
+        found = next((i for i, op in enumerate(forward) if _inside(op, name)), None)
+        if found is None:
+            modules = sorted({op.module for op in forward if op.module})
+            raise StageSplitError(
+                f"pipeline.split module {name!r} runs no op in the forward; modules that do "
+                f"are: {', '.join(_layers_or_all(modules)[:40])}")
+        starts.append(found)
+    return starts
+
+
+def _layers_or_all(modules: list[str]) -> list[str]:
+    tops = sorted({_layer_of(m) for m in modules if _layer_of(m)})
+    return tops or modules
+
+
+# -- split by annotated meshes ---------------------------------------------------------------
+
+def _starts_from_meshes(forward: list[Op], ctx: PassContext) -> list[int]:
+    """The first forward op tied to each stage: it reads a parameter annotated on that
+    stage's mesh, or is an annotation on it. Stages must come in the forward's order."""
+    hints: list[tuple[int, int, Op]] = []
+    for i, op in enumerate(forward):
+        hint = op.attrs.get("_stage_hint")
+        if hint is None:
+            hint = next((ctx.param_stages[v.producer.attrs["name"]] for v in op.inputs
+                         if v.producer is not None and v.producer.kind is OpKind.STATE
+                         and v.producer.attrs["name"] in ctx.param_stages), None)
+        if hint is not None:
+            hints.append((i, hint, op))
+    starts, current, last_op = [], 0, None
+    for i, hint, op in hints:
+        if hint < current:
+            raise StageSplitError(
+                f"pipeline stages from annotated meshes: {_where(op)} is on stage {hint}'s "
+                f"mesh but runs after {_where(last_op)} on stage {current}'s; a pipeline's "
+                "stages run in the forward's order")
+        while current < hint:
+            current += 1
+            starts.append(i)
+        last_op = op
+    return starts
+
+
+# -- split: auto ---------------------------------------------------------------------------
+
+def _layer_of(module: str) -> str:
+    """The outermost ``ModuleList``/``Sequential`` item a module path is inside ('' if none)."""
+    parts = module.split(".")
+    for k in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:k])
+        if _LAYER.match(prefix):
+            return prefix
+    return ""
+
+
+def _candidates(forward: list[Op]) -> tuple[list[int], list[str]]:
+    """Where a cut may go: the first op of every layer but the first; without layers, of
+    every top-level child module but the first."""
+    for unit in (_layer_of, lambda m: m.split(".")[0] if m else ""):
+        seen: dict[str, int] = {}
+        for i, op in enumerate(forward):
+            name = unit(op.module)
+            if name and name not in seen:
+                seen[name] = i
+        names = list(seen)
+        if len(names) > 1:
+            return [seen[n] for n in names[1:]], names
+    return [], []
+
+
+def _balanced_starts(program: Program, forward: list[Op], stages: int) -> list[int]:
+    if stages == 1:
+        return []
+    candidates, units = _candidates(forward)
+    if len(candidates) < stages - 1:
+        raise StageSplitError(
+            f"pipeline: {stages} stages but the model has {len(units) or 'no'} layers to cut "
+            f"between ({', '.join(units[:12]) or 'no ModuleList items or child modules'}); "
+            "use fewer stages (ranks x vpp_chunks), or list where stages begin in "
+            "pipeline.split")
+    costs = _forward_costs(program, forward)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # the loss (and its backward) runs on the last stage
+    tail = sum(op_flops(op) for op in program.ops
+               if op.kind is OpKind.CALL and op.role is Role.LOSS) * 3
+    return _linear_partition(candidates, prefix, stages, tail)
+
+
+def _forward_costs(program: Program, forward: list[Op]) -> list[float]:
+    """Each forward op's FLOPs plus those of the backward ops that differentiate it."""
+    cost = {op: op_flops(op) for op in forward}
+    for op in program.ops:
+        if op.role is Role.BACKWARD and op.forward_op in cost:
+            cost[op.forward_op] += op_flops(op)
+    return [cost[op] for op in forward]
+
+
+def _linear_partition(candidates: list[int], prefix: list[float], stages: int,
+                      tail: float) -> list[int]:
+    """The ``stages - 1`` cuts among ``candidates`` (forward op indices) that minimise the
+    costliest stage; ``prefix[i]`` is the cost of forward ops before ``i``."""
+    points = [0] + candidates + [len(prefix) - 1]
+    n = len(points)
+
+    def cost(a: int, b: int) -> float:   # stage from point a to point b
+        extra = tail if b == n - 1 else 0.0
+        return prefix[points[b]] - prefix[points[a]] + extra
+
+    inf = float("inf")
+    # best[s][b]: the costliest of s stages covering points[0]..points[b]
+    best = [[inf] * n for _ in range(stages + 1)]
+    back = [[0] * n for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for b in range(1, n):
+            for a in range(s - 1, b):
+                value = max(best[s - 1][a], cost(a, b))
+                if value < best[s][b]:
+                    best[s][b], back[s][b] = value, a
+    cuts, b = [], n - 1
+    for s in range(stages, 0, -1):
+        b = back[s][b]
+        cuts.append(points[b])
+    return sorted(cuts)[1:]

@@ -1,0 +1,189 @@
+"""One pipeline job as a program: the ops a ``RankPlan`` gives the job, cut from a rank's
+local program (``passes.partition``) for one micro-batch, with explicit IR for everything
+that crosses the job's edge:
+
+    %3: f32[2,16,32] = input '%136'                  # kept by an earlier job of this rank
+    %4: f32[2,16,32] = comm.recv() {step='%233 mb0 from rank 1 (B0@s1)'}
+    autopar.set_rng_state(%9)                         # a random op draws what eager draws
+    comm.send(%40) {step='%136 mb0 to rank 1 (F0@s1)'}
+    output carry[%136]=..., accumulate[%439]=...
+
+So a job dumps, verifies and compiles like any program. Reductions over micro-batches run
+in the runtime between jobs; a micro-batch's own slice or term of a value replicated over
+micro-batches (a ``comm`` step over ``mb`` that moves no data) becomes a local call.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..ir import Op, OpKind, OpaqueType, Program, Role, Slot, Value
+from ..ir.dist import micro_batch_dim
+from ..reshard.steps import MakePartial, Slice
+from ..spmd.local_forms.registry import draws_random
+from .jobs import JobId, PipelinePlan, RankPlan
+from .phases import Phase
+
+RNG_STATE = OpaqueType("!rng.state")
+
+
+def local_keys(program: Program, local: Program, names: dict[Value, str]) -> dict[Value, str]:
+    """Each value of ``local`` (a partition of ``program``: same ops, same order) by the
+    name of its global counterpart."""
+    return {lv: names[gv] for g, l in zip(program.ops, local.ops)
+            for gv, lv in zip(g.outputs, l.outputs)}
+
+
+def job_program(program: Program, local: Program, keys: dict[Value, str], plan: PipelinePlan,
+                rank: RankPlan, job: JobId) -> Program:
+    """The program of ``job`` on one process of ``rank``; ``local`` is the global ``program``
+    partitioned at that process's coordinate and the job's micro-batch (any micro-batch for
+    a once-a-step job), ``keys`` its values' names (``local_keys``)."""
+    return _JobBuilder(program, local, keys, plan, rank, job).build()
+
+
+class _JobBuilder:
+    def __init__(self, program: Program, local: Program, keys: dict[Value, str],
+                 plan: PipelinePlan, rank: RankPlan, job: JobId):
+        self.program, self.local, self.keys = program, local, keys
+        self.plan, self.rank, self.job = plan, rank, job
+        self.out = Program()
+        self.local_by_key = {key: v for v, key in keys.items()}
+        self.remap: dict[Value, Value] = {}
+        self.by_key: dict[str, Value] = {}      # new values by key, once made
+        self.mb = micro_batch_dim(_mesh_of(local)) if _mesh_of(local) is not None else None
+
+    def build(self) -> Program:
+        indices = self.rank.ops[self.job]
+        ops = [self.local.ops[i] for i in indices]
+        sends = {}
+        for message in self.rank.sent.get(self.job, ()):
+            sends.setdefault(message.key, []).append(message)
+        self.sends = sends
+        recvs = {m.key: m for m in self.rank.received.get(self.job, ())}
+        wanted = {self.keys[v] for op in ops for v in op.inputs if v.producer is not None}
+        for key, _ in self.rank.carried_in.get(self.job, ()):
+            self._carried(key)
+        for i, op in zip(indices, ops):
+            if op.kind is OpKind.OUTPUT:
+                continue
+            for v in op.inputs:
+                key = self.keys[v]
+                if key in recvs and key not in self.by_key:
+                    self._receive(recvs.pop(key))
+            self._copy(self.program.ops[i], op)
+        for message in recvs.values():     # for the results, or for a later job of this rank
+            self._receive(message)
+        self._finish()
+        return self.out
+
+    # -- values entering the job ---------------------------------------------------------
+    def _carried(self, key: str) -> None:
+        v = self.local_by_key[key]
+        op = Op(OpKind.INPUT, "input", outputs=[Value(v.type)], role=Role.COMM,
+                attrs={"name": key})
+        self._made(self.out.add(op).result, v, key)
+        self._send(key, op.result)
+
+    def _receive(self, message) -> None:
+        v = self.local_by_key[message.key]
+        op = Op(OpKind.COMM, "comm.recv", (), outputs=[Value(v.type)], role=Role.COMM,
+                attrs={"step": f"{message.key}{_mb(message)} from rank {message.src} "
+                               f"({message.src_job})", "_message": message})
+        self._made(self.out.add(op).result, v, message.key)
+
+    def _made(self, new: Value, old: Value, key: str) -> None:
+        new.dist, new.why = old.dist, old.why
+        self.remap[old] = new
+        self.by_key[key] = new
+
+    # -- the job's own ops -----------------------------------------------------------------
+    def _copy(self, global_op: Op, op: Op) -> None:
+        if op.kind is OpKind.CALL and draws_random(global_op):
+            self._restore_rng(global_op)
+        target, args, kwargs, kind, attrs = op.target, op.args, op.kwargs, op.kind, dict(op.attrs)
+        local_step = self._micro_batch_step(op)
+        if local_step is not None:
+            kind, (target, args, kwargs) = OpKind.CALL, local_step
+            attrs = {"local_note": attrs.get("step", "")}
+        if kind is OpKind.COMM:
+            attrs["_global"] = global_op    # collectives are bound from the global op's types
+        new = Op(kind, target, args, dict(kwargs), [Value(v.type) for v in op.outputs],
+                 op.role, op.module, None, attrs)
+        new.needs = op.needs
+        new.map_inputs(self._input)
+        self.out.add(new)
+        for old_v, new_v in zip(op.outputs, new.outputs):
+            self._made(new_v, old_v, self.keys[old_v])
+        for old_v, new_v in zip(op.outputs, new.outputs):
+            self._send(self.keys[old_v], new_v)
+
+    def _input(self, v: Value) -> Value:
+        if v not in self.remap:
+            raise RuntimeError(f"pipeline job {self.job} of rank {self.rank.rank}: "
+                               f"{self.keys[v]} ({v.producer.target}) is neither made in the "
+                               "job, kept from an earlier one nor received")
+        return self.remap[v]
+
+    def _micro_batch_step(self, op: Op):
+        """A step over ``mb`` that moves no data, as this micro-batch's local call."""
+        step = op.attrs.get("_step") if op.kind is OpKind.COMM else None
+        if step is None or step.mesh_dim != self.mb:
+            return None
+        k, m = self.job.micro_batch, self.plan.layout.micro_batches
+        if isinstance(step, Slice):
+            return "autopar.micro_batch_slice", (op.args[0], step.tensor_dim, m, k,
+                                                  step.groups), {}
+        if isinstance(step, MakePartial):
+            return "autopar.micro_batch_term", (op.args[0], step.op, k), {}
+        raise ValueError(f"{op.attrs.get('step', op.target)} in job {self.job}: a reduction "
+                         "over micro-batches runs between jobs, not in one")
+
+    def _restore_rng(self, global_op: Op) -> None:
+        """Set the generator to the state eager has at this random op (``RngTable``)."""
+        key = self.plan.names[global_op.outputs[0]]
+        state = self.out.add(Op(OpKind.INPUT, "input", outputs=[Value(RNG_STATE)],
+                                role=Role.COMM, attrs={"name": f"rng/{key}"})).result
+        self.out.add(Op(OpKind.CALL, "autopar.set_rng_state", (state,), outputs=[],
+                        role=global_op.role, module=global_op.module))
+
+    def _send(self, key: str, value: Value) -> None:
+        for message in self.sends.pop(key, ()):
+            self.out.add(Op(OpKind.COMM, "comm.send", (value,), outputs=[], role=Role.COMM,
+                            attrs={"step": f"{message.key}{_mb(message)} to rank {message.dst} "
+                                           f"({message.dst_job})", "_message": message}))
+
+    # -- what leaves the job ---------------------------------------------------------------
+    def _finish(self) -> None:
+        if self.sends:
+            missing = ", ".join(sorted(self.sends))
+            raise RuntimeError(f"pipeline job {self.job} of rank {self.rank.rank} is to send "
+                               f"{missing} but never has it")
+        results: list[tuple[Slot, Value]] = []
+        for key in self.rank.kept.get(self.job, ()):
+            results.append((Slot("carry", key), self.by_key[key]))
+        for key in self.rank.accumulated.get(self.job, ()):
+            results.append((Slot("accumulate", key), self.by_key[key]))
+        if self.job.phase is Phase.POST:
+            results += [(slot, self.by_key[key]) for slot, key in self.rank.results]
+        self.out.add(Op(OpKind.OUTPUT, "output", tuple(v for _, v in results),
+                        attrs={"slots": [s for s, _ in results]}))
+
+
+def _mb(message) -> str:
+    return "" if message.micro_batch < 0 else f" mb{message.micro_batch}"
+
+
+def _mesh_of(program: Program):
+    for op in program.ops:
+        for v in op.outputs:
+            if v.is_tensor and v.dist is not None:
+                return v.dist.mesh
+    return None
+
+
+def random_ops(program: Program) -> Sequence[Op]:
+    """The ops of the global program that draw random numbers, in program order."""
+    return [op for op in program.ops if op.kind is OpKind.CALL and draws_random(op)]
+
+
+__all__ = ["job_program", "local_keys", "random_ops", "RNG_STATE"]

@@ -1,0 +1,149 @@
+"""What every pipeline runtime (real processes or the in-process simulator) keeps during one
+step: the random-number states eager has at each random op, and a process's store of values
+between its jobs (activations kept for the backward, once-a-step values, sums over
+micro-batches), freed after their last reader, with the bytes of activations it holds.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..ir import Op, Program, Slot
+from ..ir.lower_fx import STRIDES_ATTR
+from ..ir.printer import value_names
+from ..pipeline.job_programs import random_ops
+from ..pipeline.jobs import STEP, Accumulation, JobId, RankPlan
+from ..pipeline.phases import Phase
+from ..reshard.steps import AllGather, AllReduce
+from .kernels import resolve
+
+__all__ = ["RngTable", "RankStore"]
+
+
+class RngTable:
+    """The CPU generator's state before each random op of the global program, as eager
+    would have it after ``manual_seed(seed)``: a pipeline rank runs only its stages' random
+    ops, and a micro-batch's draw is its slice of the whole batch's draw, so each random op
+    restores its state (``autopar.set_rng_state``) instead of following the rank's own."""
+
+    def __init__(self, program: Program):
+        names = value_names(program)
+        self.ops = [(f"rng/{names[op.outputs[0]]}", op) for op in random_ops(program)]
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    def states(self, seed: int) -> dict[str, torch.Tensor]:
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.manual_seed(seed)
+        try:
+            states = {}
+            for key, op in self.ops:
+                states[key] = generator.get_state()
+                _draw_like(op)
+            return states
+        finally:
+            generator.set_state(saved)
+
+
+def _draw_like(op: Op) -> None:
+    """Draw what ``op`` draws at its global shape, in the traced layout, and drop it: the
+    generator advances as eager's does (draws depend on shapes and strides, not values)."""
+    strides = op.attrs.get(STRIDES_ATTR) or ()
+    layout = strides[1] if op.target == "aten.native_dropout.default" else \
+        (strides[0] if strides else None)
+    first = True
+
+    def fake(v):
+        nonlocal first
+        shape, dtype = tuple(v.type.shape), v.type.dtype
+        if first and layout is not None and len(layout) == len(shape):
+            first = False
+            return torch.empty_strided(shape, layout, dtype=dtype)
+        first = False
+        return torch.zeros(shape, dtype=dtype)
+
+    args = [fake(a) if hasattr(a, "type") and a.is_tensor else a for a in op.args]
+    kwargs = {k: (fake(a) if hasattr(a, "type") and a.is_tensor else a)
+              for k, a in op.kwargs.items()}
+    resolve(op.target)(*args, **kwargs)
+
+
+class RankStore:
+    """One process's values between the jobs of one step."""
+
+    def __init__(self, plan: RankPlan, micro_batches: int):
+        self.plan, self.m = plan, micro_batches
+        self.values: dict[tuple[str, int], Any] = {}
+        self.terms: dict[str, Any] = {}
+        self.frees: dict[JobId, list[tuple[str, int]]] = {}
+        for pair, job in plan.last_read.items():
+            self.frees.setdefault(job, []).append(pair)
+        self.accumulation = {a.input_key: a for a in plan.accumulations}
+        self.peak_activation_bytes = 0
+
+    def feeds(self, job: JobId, base: dict[str, Any]) -> dict[str, Any]:
+        """``base`` (batch pieces, hyper-parameters, random states) and the job's carried
+        values."""
+        feeds = dict(base)
+        for key, k in self.plan.carried_in.get(job, ()):
+            feeds[key] = self.values[(key, k)]
+        return feeds
+
+    def absorb(self, job: JobId, slots: Sequence[Slot], values: Sequence[Any]) -> dict[Slot, Any]:
+        """Keep what a job hands on; returns its other results (post: the step's results)."""
+        k = job.micro_batch
+        rest = {}
+        for slot, value in zip(slots, values):
+            if slot.kind == "carry":
+                self.values[(slot.name, k)] = value
+            elif slot.kind == "accumulate":
+                self._add(self.accumulation[slot.name], value, k)
+            else:
+                rest[slot] = value
+        for pair in self.frees.get(job, ()):
+            self.values.pop(pair, None)
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes())
+        return rest
+
+    def finish(self, before: Phase) -> None:
+        """Complete the sums over micro-batches that the ``before`` job reads."""
+        for a in self.plan.accumulations:
+            if a.before is before and a.input_key in self.terms:
+                self.values[(a.output_key, STEP)] = self._total(a, self.terms.pop(a.input_key))
+
+    def activation_bytes(self) -> int:
+        """Bytes of the per-micro-batch values held between jobs (each storage once)."""
+        seen, total = set(), 0
+        for (_, k), value in self.values.items():
+            if k == STEP or not isinstance(value, torch.Tensor):
+                continue
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    # -- sums over micro-batches --------------------------------------------------------------
+    def _add(self, a: Accumulation, value: Any, k: int) -> None:
+        if isinstance(a.step, AllGather):
+            self.terms.setdefault(a.input_key, {})[k] = value
+            return
+        old = self.terms.get(a.input_key)
+        if old is None:
+            self.terms[a.input_key] = value
+        elif a.step.op in ("sum", "avg"):
+            self.terms[a.input_key] = old + value
+        elif a.step.op == "max":
+            self.terms[a.input_key] = torch.maximum(old, value)
+        else:
+            self.terms[a.input_key] = torch.minimum(old, value)
+
+    def _total(self, a: Accumulation, terms: Any) -> Any:
+        if isinstance(a.step, AllGather):
+            return torch.cat([terms[k] for k in sorted(terms)], dim=a.step.tensor_dim)
+        if isinstance(a.step, AllReduce) and a.step.op == "avg":
+            return terms / self.m
+        return terms
