@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -25,10 +27,14 @@ from ..passes.explain import explain_value
 from ..passes.lower_optimizer import initial_state
 from ..passes.manager import PassManager
 from ..passes.partition import partition
+from ..pipeline.job_programs import format_jobs
 from ..pipeline.jobs import PipelinePlan, plan_pipeline
+from ..pipeline.layout import PipelineLayout
+from ..pipeline.timeline import chrome_trace, timeline_events
 from ..runtime.distributed import RankPieces, input_cutter, rank_executor
 from ..runtime.executor import Executor
-from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups
+from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups, p2p_group
+from ..runtime.pipeline import PipelineExecutor, PipelinePieces
 from ..runtime.pipeline_simulator import PipelineSimulator
 from ..runtime.simulator import SimulatedExecutor
 from ..strategy import Strategy
@@ -78,13 +84,18 @@ class Engine:
         self.dump_dir = self.strategy.resolved_dump_dir(os.environ)
         if self._session is not None and self._session.dump_dir is not None:
             self.dump_dir = self._session.dump_dir
+        if self.strategy.debug.trace and self.dump_dir is None:
+            raise ValueError("debug.trace writes <dump_dir>/pipeline_trace.json: set "
+                             "debug.dump_dir (or AUTOPAR_DUMP_DIR)")
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         # torchrun's environment, read once: which process this is
         self.launch_rank = int(os.environ.get("RANK", "0"))
         self.launch_world_size = int(os.environ.get("WORLD_SIZE", "1"))
         # where earlier programs placed each parameter: later ones keep it there
         self._kept: dict[str, Any] = {}
-        self._pieces: RankPieces | None = None     # this rank's state, on real processes
+        # this process's state, on real processes (a pipeline's: the pieces of its stages)
+        self._pieces: RankPieces | PipelinePieces | None = None
+        self._p2p_group = None
         # Serial runs alias the model's own tensors: the model trains in place.
         self.state: dict[str, Any] = {n: p.detach() for n, p in model.named_parameters()}
         self.state.update({n: b for n, b in model.named_buffers()})
@@ -139,12 +150,67 @@ class Engine:
         return plan
 
     def _runnable_pipeline(self, plan: Plan) -> Plan:
+        """A pipelined plan: every process in this one (simulate), or this process's jobs,
+        with its groups, messages and pieces of the state its stages hold."""
         layout = plan.pipeline.layout
-        if not self.strategy.debug.simulate and layout.world_size > 1:
-            raise NotImplementedError("pipeline on real processes: not wired yet")
-        self._init_optimizer_state(plan.program)
-        plan.executor = PipelineSimulator(plan.program, plan.pipeline, self.state)
+        if self.strategy.debug.simulate:
+            self._init_optimizer_state(plan.program)
+            plan.executor = PipelineSimulator(plan.program, plan.pipeline, self.state)
+            return plan
+        pieces = self._pipeline_pieces(layout)
+        pieces.adopt(plan.program, self.state, self._fresh_optimizer_state)
+        plan.executor = PipelineExecutor(plan.program, plan.pipeline, pieces, pieces.groups,
+                                         self._p2p_group, self._device())
+        if self.strategy.debug.trace:
+            plan.executor.trace = []
         return plan
+
+    def _write_trace(self) -> None:
+        """The last pipelined training program's jobs, per process on a timeline, as a
+        Chrome/Perfetto trace: measured on real processes (a collective), the schedule's
+        simulated timeline (1 unit = 1 ms) when simulating."""
+        plans = [plan for (m, *_), plan in self._plans.items()
+                 if m == "train" and plan.pipeline is not None and plan.executor is not None]
+        if not plans:
+            return
+        plan, executor = plans[-1], plans[-1].executor
+        if isinstance(executor, PipelineSimulator):
+            events = timeline_events(plan.pipeline.schedule.timeline)
+        else:
+            mine = [(self.launch_rank, str(job), start + executor.clock, end + executor.clock)
+                    for job, start, end in executor.trace or ()]
+            events = mine
+            if torch.distributed.is_initialized():
+                everyone: list = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(everyone, mine)
+                events = [e for part in everyone for e in part]
+            origin = min((e[2] for e in events), default=0.0)
+            events = [(r, label, a - origin, b - origin) for r, label, a, b in events]
+        if self.is_logging_rank:
+            path = Path(self.dump_dir) / "pipeline_trace.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(chrome_trace(events)))
+
+    def _pipeline_pieces(self, layout: PipelineLayout) -> PipelinePieces:
+        """This process's place in the pipeline and its state (made once: every program
+        of the engine keeps its state where the first put it)."""
+        if self._pieces is not None:
+            if not isinstance(self._pieces, PipelinePieces) or self._pieces.layout.stage_ids \
+                    != layout.stage_ids:
+                raise ValueError("an engine's programs share one pipeline layout; this program "
+                                 f"is planned on {layout.describe()}")
+            return self._pieces
+        groups = None
+        if layout.world_size > 1 or self.launch_world_size > 1:
+            init_distributed(self._device(), layout.world_size)
+            groups = mesh_groups(layout.full_mesh)
+            self._p2p_group = p2p_group(layout.full_mesh)
+        place = layout.locate(self.launch_rank)
+        if place is None:
+            raise ValueError(f"process {self.launch_rank} is in no stage of the "
+                             f"{layout.describe()}")
+        self._pieces = PipelinePieces(layout, groups, *place)
+        return self._pieces
 
     def _groups(self, mesh: ProcessMesh) -> MeshGroups:
         """Join the launch's process group and make the mesh's groups (once)."""
@@ -186,6 +252,7 @@ class Engine:
         plan = Plan(captured.spec, program, dict(manager.timings), ctx.mesh)
         if ctx.pipeline is not None:
             plan.pipeline = plan_pipeline(program, ctx.pipeline, ctx.schedule)
+            self._dump_jobs(program, plan.pipeline, manager, ctx)
         elif ctx.mesh is not None and ctx.mesh.size > 1:
             plan.local = self._partition(program, ctx.mesh, manager, ctx)
         return plan
@@ -207,7 +274,7 @@ class Engine:
     def _micro_batches(self, mode: str, inputs: Any, labels: Any) -> int | None:
         """How many micro-batches a pipelined program of this batch uses: the strategy's for
         training (the batch must divide into dp x micro_batches, or the gradient would not
-        be the full batch's), at most one row each for eval and predict."""
+        be the full batch's); eval and predict use as many as split their batch evenly."""
         pipe = self.strategy.pipeline
         if pipe is None:
             return None
@@ -221,7 +288,24 @@ class Engine:
                     f"({dp * pipe.micro_batches} must divide the global batch size); "
                     f"use a batch size that is a multiple of {dp * pipe.micro_batches}")
             return pipe.micro_batches
-        return max(1, min(pipe.micro_batches, rows // dp))
+        # eval and predict: as many equal micro-batches as the batch allows, up to training's
+        return max((k for k in range(1, pipe.micro_batches + 1) if rows % (dp * k) == 0),
+                   default=1)
+
+    def _dump_jobs(self, program: Program, pipeline: PipelinePlan, manager: PassManager,
+                   ctx: PassContext) -> None:
+        """Each process's jobs (``NN_jobs.txt``): this one's on real processes, every
+        process's when planning offline or simulating."""
+        if self.dump_dir is None:
+            return
+        layout = pipeline.layout
+        mine = self.distributed and self._session is None
+        processes = [self.launch_rank] if mine else sorted(
+            i for ids in layout.stage_ids for i in ids)
+        for process in processes:
+            pp, coordinate = layout.locate(process)
+            manager.dump_rank_text(format_jobs(program, pipeline, pp, coordinate), "jobs",
+                                   process, ctx)
 
     def _param_annotations(self) -> dict:
         found = {name: param_annotation(p) for name, p in self.model.named_parameters()}
@@ -311,6 +395,8 @@ class Engine:
                     print("validation " + " ".join(f"{k}: {v:.4f}" for k, v in scores.items()))
         self.sync_model()
         self.sync_optimizer_state()
+        if self.strategy.debug.trace:
+            self._write_trace()
         return history
 
     def evaluate(self, valid_data, batch_size: int = 1, steps: int | None = None,
@@ -350,6 +436,27 @@ class Engine:
         """Only rank 0 prints (every rank computes the same global loss)."""
         return not self.distributed or self.launch_rank == 0
 
+    def peak_activation_bytes(self, mode: str = "train") -> list[int]:
+        """A pipeline's high-water mark of activations held between jobs in the last step
+        of ``mode``, per pipeline rank (on real processes: each rank's first process's,
+        gathered; a collective, so every process calls it)."""
+        plans = [plan for (m, *_), plan in self._plans.items()
+                 if m == mode and plan.pipeline is not None and plan.executor is not None]
+        if not plans:
+            raise ValueError(f"peak_activation_bytes: no pipelined {mode!r} step has run")
+        executor = plans[-1].executor
+        if isinstance(executor, PipelineSimulator):
+            return list(executor.peak_activation_bytes)
+        mine = (executor.pieces.pp, executor.peak_activation_bytes)
+        if not torch.distributed.is_initialized():
+            return [mine[1]]
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        peaks = [0] * executor.layout.ranks
+        for pp, peak in everyone:
+            peaks[pp] = max(peaks[pp], peak)
+        return peaks
+
     def programs(self) -> dict[str, Program]:
         return {f"{mode}{i}": plan.program for i, ((mode, *_), plan) in enumerate(self._plans.items())}
 
@@ -366,7 +473,7 @@ class Engine:
         ``fit`` calls it at its end."""
         if self._pieces is None:
             return
-        for name in sorted(self._pieces.dists):
+        for name in self._pieces.names():
             if name in self.state and isinstance(self.state[name], torch.Tensor):
                 self.state[name].copy_(self._pieces.full(name))
 
@@ -381,7 +488,7 @@ class Engine:
                 own = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
                 if self._pieces is not None:
                     own = {k[len(prefix):]: self._pieces.full(k)
-                           for k in sorted(self._pieces.dists) if k.startswith(prefix)}
+                           for k in self._pieces.names() if k.startswith(prefix)}
                     own = {k: v for k, v in own.items() if v is not None}
                 if own:
                     self.optimizer.state[p].update(own)

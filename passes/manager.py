@@ -103,6 +103,17 @@ class PassManager:
         numbered after the last pass."""
         self._check(program, name, ctx, len(self.passes) + 1, rank=rank)
 
+    def dump_rank_text(self, text: str, name: str, rank: int, ctx: PassContext) -> None:
+        """Dump what was made of one rank after the passes (a pipeline rank's jobs),
+        numbered after the last pass."""
+        if self.dump_dir is None:
+            return
+        prefix = "" if ctx.mode == "train" else f"{ctx.mode}_"
+        path = Path(self.dump_dir) / f"rank{rank}" / f"{prefix}{len(self.passes) + 1:02d}_{name}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        self.dumped.append(path)
+
     def _check(self, program: Program, name: str, ctx: PassContext, number: int,
                reports: tuple[tuple[str, Report], ...] = (), rank: int | None = None) -> None:
         if self.verify:

@@ -263,10 +263,11 @@ class _Jobs:
             if any(u.producer.kind is OpKind.STATE and u.producer.attrs["state"] is StateKind.PARAM
                    for u in op.inputs):
                 raise PipelineError(
-                    f"{_describe(op)} feeds {boundary.attrs['step']}, a value summed over "
-                    "every micro-batch that the micro-batches need while the pipeline runs "
-                    "(a statistic of the whole batch, like BatchNorm's): micro-batching "
-                    "cannot compute it; use pipeline.micro_batches: 1")
+                    f"{_describe(op)} feeds {boundary.attrs['step']}: the micro-batches need "
+                    "a value of the whole batch while the pipeline runs (a statistic of the "
+                    "whole batch, like BatchNorm's, or an op that cannot work on a "
+                    "micro-batch's rows), which micro-batching cannot give; use "
+                    "pipeline.micro_batches: 1")
             homes[op] |= {(s, Phase.PRE_MB) for s, _ in homes[op]}
             todo.extend(op.inputs)
         for op in cone:     # made only for the reduction: not again in the schedule's jobs

@@ -106,15 +106,17 @@ def _layers_or_all(modules: list[str]) -> list[str]:
 # -- split by annotated meshes ---------------------------------------------------------------
 
 def _starts_from_meshes(forward: list[Op], ctx: PassContext) -> list[int]:
-    """The first forward op tied to each stage: it reads a parameter annotated on that
-    stage's mesh, or is an annotation on it. Stages must come in the forward's order."""
+    """The first forward op tied to each stage: an op of a module whose parameter is
+    annotated on that stage's mesh (a tied weight read by another module, the output head,
+    ties only its own module), or an annotation on it. Stages come in the forward's order."""
     hints: list[tuple[int, int, Op]] = []
     for i, op in enumerate(forward):
         hint = op.attrs.get("_stage_hint")
         if hint is None:
-            hint = next((ctx.param_stages[v.producer.attrs["name"]] for v in op.inputs
+            hint = next((ctx.param_stages[name] for v in op.inputs
                          if v.producer is not None and v.producer.kind is OpKind.STATE
-                         and v.producer.attrs["name"] in ctx.param_stages), None)
+                         and (name := v.producer.attrs["name"]) in ctx.param_stages
+                         and _inside(op, name.rpartition(".")[0])), None)
         if hint is not None:
             hints.append((i, hint, op))
     starts, current, last_op = [], 0, None

@@ -181,9 +181,27 @@ def _mesh_of(program: Program):
     return None
 
 
+def format_jobs(program: Program, plan: PipelinePlan, pp: int,
+                coordinate: tuple[int, ...]) -> str:
+    """A process's jobs for the dump: its rank's job order and messages, then every job's
+    program (the first micro-batch's; the others differ only in which rows they read)."""
+    from ..ir.printer import format_program
+    from ..passes.partition import partition
+
+    rank = plan.ranks[pp]
+    local = partition(program, tuple(coordinate) + (0,))
+    keys = local_keys(program, local, plan.names)
+    parts = [plan.layout.describe(), rank.describe()]
+    for job in rank.order:
+        if job.micro_batch in (0, -1):
+            parts.append(f"# job {job}\n" + format_program(
+                job_program(program, local, keys, plan, rank, job)))
+    return "\n\n".join(parts) + "\n"
+
+
 def random_ops(program: Program) -> Sequence[Op]:
     """The ops of the global program that draw random numbers, in program order."""
     return [op for op in program.ops if op.kind is OpKind.CALL and draws_random(op)]
 
 
-__all__ = ["job_program", "local_keys", "random_ops", "RNG_STATE"]
+__all__ = ["job_program", "local_keys", "format_jobs", "random_ops", "RNG_STATE"]

@@ -111,6 +111,7 @@ class PipelinePlan:
     messages: list[Message]
     names: dict[Value, str]
     keys: dict[str, Value]
+    schedule: object = None        # the schedule pass's PipelineSchedule
 
     def describe(self) -> str:
         return "\n".join(r.describe() for r in self.ranks)
@@ -156,7 +157,8 @@ class _Planner:
             self._flows(plan)
         self._order_messages()
         keys = {name: v for v, name in self.names.items()}
-        return PipelinePlan(self.layout, self.plans, self.messages, self.names, keys)
+        return PipelinePlan(self.layout, self.plans, self.messages, self.names, keys,
+                            self.schedule)
 
     # -- which ops each job runs ---------------------------------------------------------
     def _jobs(self, plan: RankPlan) -> None:

@@ -84,6 +84,10 @@ class RankPieces:
             self.dists[name] = value.dist
             self.shapes[name] = tuple(value.type.shape)
 
+    def names(self) -> list[str]:
+        """Every state this rank holds a piece of, in the order ``full`` is called."""
+        return sorted(self.dists)
+
     def full(self, name: str) -> torch.Tensor | None:
         """The whole tensor of state ``name``, gathered (collective: every rank calls it
         for the same names in the same order)."""

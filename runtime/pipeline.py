@@ -145,7 +145,10 @@ class PipelineExecutor:
                                                              max(job.micro_batch, 0)))
             self.fns[job], _ = generate(self.jobs[job], name=f"job{i}", comm=comm)
             self.slots[job] = self.jobs[job].output_op.attrs["slots"]
-        self.events: list[tuple[JobId, float, float]] = []
+        # wall-clock seconds of a perf_counter reading, so processes' events line up
+        self.clock = time.time() - time.perf_counter()
+        self.events: list[tuple[JobId, float, float]] = []     # the last step's
+        self.trace: list[tuple[JobId, float, float]] | None = None   # every step's, if kept
         self.peak_activation_bytes = 0
 
     def _bind(self, program: Program, groups: MeshGroups | None) -> dict:
@@ -208,4 +211,6 @@ class PipelineExecutor:
         if self.transport is not None:
             self.transport.finish()
         self.events, self.peak_activation_bytes = events, store.peak_activation_bytes
+        if self.trace is not None:
+            self.trace += events
         return results

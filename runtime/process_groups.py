@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..ir.dist import ProcessMesh
 
-__all__ = ["MeshAxisGroup", "MeshGroups", "init_distributed", "backend_for"]
+__all__ = ["MeshAxisGroup", "MeshGroups", "init_distributed", "backend_for", "p2p_group"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,18 @@ def _create(mesh: ProcessMesh) -> MeshGroups:
         axes.append(MeshAxisGroup(group, ranks, coordinate[d],
                                   tuple(ranks.index(r) for r in members)))
     return MeshGroups(mesh, rank, coordinate, tuple(axes))
+
+
+_P2P: dict[ProcessMesh, Any] = {}
+
+
+def p2p_group(mesh: ProcessMesh) -> Any:
+    """A group of every process of ``mesh`` for a pipeline's point-to-point messages, apart
+    from the groups collectives use (made once, by every rank alike)."""
+    if mesh not in _P2P:
+        mesh_groups(mesh)
+        _P2P[mesh] = dist.new_group(sorted(mesh.process_ids))
+    return _P2P[mesh]
 
 
 def _new_group(ranks: list[int], world: int) -> Any:

@@ -276,6 +276,9 @@ class DebugConfig(Section):
     ``strict_rules`` makes an op without an SPMD rule an error instead of a replicate fallback.
     ``simulate`` runs every rank of a distributed plan in this one process, with exact
     collective semantics (slow; for tests and for debugging plans without a launcher).
+    ``trace`` writes a pipeline's jobs, each rank on a timeline, as a Chrome/Perfetto trace
+    (``<dump_dir>/pipeline_trace.json``: measured wall times of every step of ``fit`` on
+    real processes, the schedule's simulated timeline when simulating).
     These never change what is computed, so the section is never "enabled" as a feature.
     """
 
@@ -284,6 +287,7 @@ class DebugConfig(Section):
     verify: StrictBool = True
     strict_rules: StrictBool = False
     simulate: StrictBool = False
+    trace: StrictBool = False
 
     @property
     def is_enabled(self) -> bool:

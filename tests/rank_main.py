@@ -17,12 +17,17 @@ from parity import gpt_optimizer, lm_data, parity_gpt  # noqa: E402
 ROOT = Path(__file__).parent.parent
 
 
-def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0") -> dict:
-    """The GPT of ``parity_gpt`` trained through ``Engine.fit`` on ``configs/<config>.yaml``."""
+def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0",
+              trace_dir: str = "") -> dict:
+    """The GPT of ``parity_gpt`` trained through ``Engine.fit`` on ``configs/<config>.yaml``
+    (with ``trace_dir``: dumps and a pipeline trace there)."""
     from autopar.models.gpt import lm_loss
     model = parity_gpt(optim, dropout=float(dropout))
     optimizer, scheduler = gpt_optimizer(optim, model)
     strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml")
+    if trace_dir:
+        strategy = strategy.model_copy(update={"debug": ap.Strategy(
+            debug={"dump_dir": trace_dir, "trace": True}).debug})
     engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy, lr_scheduler=scheduler)
     data = lm_data(int(steps) * int(batch), 16, 64)
     history = engine.fit(data, batch_size=int(batch), verbose=0)
