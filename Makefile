@@ -23,6 +23,8 @@ bench: $(VENV_STAMP)
 	$(PY) bench/plan.py
 	$(PY) bench/dp_vs_ddp.py
 	$(PY) bench/tp_vs_dtensor.py
+	$(PY) bench/pp_vs_pipelining.py
+	$(PY) bench/pp_memory.py
 
 clean:
 	rm -rf .venv

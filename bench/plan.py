@@ -1,6 +1,7 @@
 """Offline planning time: a whole GPT training step (forward, backward, AdamW) planned for
-an 8-rank 3-D mesh in one plain process: capture + every pass (completion included, IR
-verified between passes as by default).
+an 8-rank 3-D mesh (2 pipeline stages x dp 2 x tp 2, 4 micro-batches) in one plain process:
+capture + every pass (completion, the pipeline's stages and schedule included, IR verified
+between passes as by default) + every pipeline rank's jobs and messages.
 
 The torch-native baseline measured in the same run is what torch alone needs to trace the
 same step: ``make_fx`` over ``functional_call`` + ``autograd.grad`` on fake tensors. Each
@@ -23,12 +24,13 @@ from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 
 STRATEGY = """
-mesh: {shape: [2, 2, 2], dim_names: [pp, dp, tp]}   # pp: replicated until pipelines land
+mesh: {shape: [2, 2, 2], dim_names: [pp, dp, tp]}
 data_parallel: {axis: dp}
 tensor_parallel:
   axis: tp
   plan: {"blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise,
          "blocks.*.fc1": colwise, "blocks.*.fc2": rowwise, "wte": vocab}
+pipeline: {axis: pp, schedule: 1F1B, micro_batches: 4}
 """
 
 

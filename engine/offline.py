@@ -66,7 +66,7 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
     if session.plan is None:
         raise SystemExit(f"autopar plan: {script} finished without a training, evaluation or "
                          "prediction step, so nothing was planned")
-    lines = [summarize(session.plan.program, session.plan.mesh),
+    lines = [summarize(session.plan.program, session.plan.mesh, session.plan.pipeline),
              f"dumps: {dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
     lines += [f"\nexplain {what}:\n{session.engine.explain(what, session.plan.spec.mode)}"
               for what in explain]

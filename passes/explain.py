@@ -5,9 +5,11 @@ Reasons name values by the printer's names, so an explanation reads next to the 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..ir import Op, OpKind, Program, Role, Value
+from ..ir.dist import MICRO_BATCH_DIM, local_shape
 from ..ir.printer import value_names
 from ..spmd import lookup
 from ..spmd.cost import collective, reshard_bytes
@@ -170,9 +172,10 @@ def planned_moves(program: Program) -> list[Move]:
     return moves
 
 
-def summarize(program: Program, mesh) -> str:
+def summarize(program: Program, mesh, pipeline=None) -> str:
     """A plan at a glance: the mesh, how values are placed, and the communication the
-    placements imply, grouped by collective, mesh dim and role."""
+    placements imply, grouped by collective, mesh dim and role; for a pipeline also its
+    stages, its schedule's bubble and the messages between stages."""
     values = [v for op in program.ops for v in op.outputs if v.is_tensor]
     kinds = {"sharded": 0, "partial": 0, "replicated": 0}
     for v in values:
@@ -184,13 +187,41 @@ def summarize(program: Program, mesh) -> str:
             kinds["sharded"] += 1
     lines = [f"mesh: {mesh if mesh is not None else 'none (serial)'}",
              f"ops: {len(program.ops)}; values: " + ", ".join(f"{n} {k}" for k, n in kinds.items())]
+    if pipeline is not None:
+        lines += _pipeline_summary(pipeline)
     groups: dict[tuple[str, str, str], list[float]] = {}
     for move in planned_moves(program):
+        if move.axis == MICRO_BATCH_DIM:    # over time, on one rank: no network
+            kind = {"all_reduce": "accumulate", "all_gather": "concatenate"}.get(
+                move.kind, move.kind)
+            groups.setdefault((f"{kind} (local)", move.axis, move.role), []).append(0.0)
+            continue
         groups.setdefault((move.kind, move.axis, move.role), []).append(move.sent)
     if groups:
-        lines.append("communication the placements need (per rank, per step):")
+        lines.append("communication the placements need (per rank, per step"
+                     + (", each micro-batch's own counted once" if pipeline else "") + "):")
         for (kind, dim, role), sizes in sorted(groups.items()):
             lines.append(f"  {kind:<20} on {dim:<6} {role:<4} x{len(sizes):<4} {_bytes(sum(sizes))}")
     else:
         lines.append("communication the placements need: none")
     return "\n".join(lines)
+
+
+def _pipeline_summary(pipeline) -> list[str]:
+    """The stages, the schedule's bubble (jobs weighed by FLOPs) and the messages a step
+    sends between stages."""
+    layout, schedule = pipeline.layout, pipeline.schedule
+    lines = [layout.describe()]
+    if schedule is not None:
+        lines.append(f"schedule {schedule.name}: bubble {schedule.timeline.bubble():.1%} of "
+                     "the step (jobs weighed by their FLOPs)")
+    sent = 0
+    for message in pipeline.messages:
+        v = pipeline.keys[message.key]
+        if v.is_tensor and v.dist is not None:
+            coordinate = (0,) * v.dist.mesh.ndim
+            shape = local_shape(v.type.shape, v.dist.mesh, v.dist.placements, coordinate)
+            sent += math.prod(shape) * v.type.dtype.itemsize
+    lines.append(f"messages between stages: {len(pipeline.messages)} per step, "
+                 f"{_bytes(sent)} per process of a stage")
+    return lines

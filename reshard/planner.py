@@ -133,10 +133,13 @@ def naive_plan(shape: Sequence[int], src: DistAttr, dst: DistAttr) -> list[Step]
 
 def _candidates(shape: Sequence[int], src: DistAttr, dst: DistAttr) -> list[list[Placement]]:
     """Placements each mesh dim may pass through: R, its src and dst, any shard (an
-    intermediate shard can make an all-to-all possible). Other partials never help."""
+    intermediate shard can make an all-to-all possible). Other partials never help.
+    A micro-batch dim goes straight from src to dst: a sum or gather over micro-batches is
+    only possible once every micro-batch has made its term, so never on the way."""
     shards = [Shard(t) for t in range(len(shape))]
-    return [list(dict.fromkeys([Replicate(), s, t, *shards]))
-            for s, t in zip(src.placements, dst.placements)]
+    mb = micro_batch_dim(src.mesh)
+    return [list(dict.fromkeys([s, t] if d == mb else [Replicate(), s, t, *shards]))
+            for d, (s, t) in enumerate(zip(src.placements, dst.placements))]
 
 
 def plan_reshard(shape: Sequence[int], src: DistAttr, dst: DistAttr,

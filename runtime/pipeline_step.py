@@ -82,6 +82,9 @@ class RankStore:
         for pair, job in plan.last_read.items():
             self.frees.setdefault(job, []).append(pair)
         self.accumulation = {a.input_key: a for a in plan.accumulations}
+        # per-micro-batch tensors held between jobs, by storage: (bytes, references)
+        self.storages: dict[int, list[int]] = {}
+        self.held_bytes = 0
         self.peak_activation_bytes = 0
 
     def feeds(self, job: JobId, base: dict[str, Any]) -> dict[str, Any]:
@@ -96,17 +99,36 @@ class RankStore:
         """Keep what a job hands on; returns its other results (post: the step's results)."""
         k = job.micro_batch
         rest = {}
+        exported = [v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor)]
         for slot, value in zip(slots, values):
             if slot.kind == "carry":
                 self.values[(slot.name, k)] = value
+                if k != STEP and isinstance(value, torch.Tensor):
+                    self._hold(value, +1)
             elif slot.kind == "accumulate":
-                self._add(self.accumulation[slot.name], value, k)
+                self._add(self.accumulation[slot.name], value, k, exported)
             else:
                 rest[slot] = value
+        if self.held_bytes > self.peak_activation_bytes:
+            self.peak_activation_bytes = self.held_bytes
         for pair in self.frees.get(job, ()):
-            self.values.pop(pair, None)
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes())
+            value = self.values.pop(pair, None)
+            if pair[1] != STEP and isinstance(value, torch.Tensor):
+                self._hold(value, -1)
         return rest
+
+    def _hold(self, value: torch.Tensor, change: int) -> None:
+        """Count a per-micro-batch tensor kept (+1) or freed (-1); each storage once."""
+        storage = value.untyped_storage()
+        key = storage.data_ptr()
+        entry = self.storages.get(key)
+        if entry is None:
+            entry = self.storages[key] = [storage.nbytes(), 0]
+            self.held_bytes += entry[0]
+        entry[1] += change
+        if entry[1] == 0:
+            self.held_bytes -= entry[0]
+            del self.storages[key]
 
     def finish(self, before: Phase) -> None:
         """Complete the sums over micro-batches that the ``before`` job reads."""
@@ -114,28 +136,23 @@ class RankStore:
             if a.before is before and a.input_key in self.terms:
                 self.values[(a.output_key, STEP)] = self._total(a, self.terms.pop(a.input_key))
 
-    def activation_bytes(self) -> int:
-        """Bytes of the per-micro-batch values held between jobs (each storage once)."""
-        seen, total = set(), 0
-        for (_, k), value in self.values.items():
-            if k == STEP or not isinstance(value, torch.Tensor):
-                continue
-            storage = value.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
-
     # -- sums over micro-batches --------------------------------------------------------------
-    def _add(self, a: Accumulation, value: Any, k: int) -> None:
+    def _add(self, a: Accumulation, value: Any, k: int, exported: list[int]) -> None:
         if isinstance(a.step, AllGather):
             self.terms.setdefault(a.input_key, {})[k] = value
             return
         old = self.terms.get(a.input_key)
         if old is None:
-            self.terms[a.input_key] = value
+            # a sum of micro-batches' terms is contiguous and added to in place, like
+            # autograd's AccumulateGrad (weight gradients often come out transposed views);
+            # the first term itself serves when it is contiguous and nothing else shares it
+            storage = value.untyped_storage().data_ptr()
+            owned = (value._base is None and value.is_contiguous()
+                     and exported.count(storage) == 1 and storage not in self.storages)
+            self.terms[a.input_key] = value if owned or self.m == 1 or \
+                a.step.op not in ("sum", "avg") else value.clone(memory_format=torch.contiguous_format)
         elif a.step.op in ("sum", "avg"):
-            self.terms[a.input_key] = old + value
+            old.add_(value)
         elif a.step.op == "max":
             self.terms[a.input_key] = torch.maximum(old, value)
         else:

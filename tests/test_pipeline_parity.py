@@ -56,7 +56,8 @@ def eager(layers: int, optim: str) -> tuple[list[float], dict[str, torch.Tensor]
 
 
 def strategy(pp: int, schedule: str, micro_batches: int = 4, chunks: int = 1,
-             dp: int = 1, tp: int = 1, simulate: bool = True, extra: str = "") -> ap.Strategy:
+             dp: int = 1, tp: int = 1, simulate: bool = True, extra: str = "",
+             vocab: bool = False) -> ap.Strategy:
     dims = [("pp", pp)] + [(n, k) for n, k in (("dp", dp), ("tp", tp)) if k > 1]
     text = (f"mesh: {{shape: {[k for _, k in dims]}, dim_names: {[n for n, _ in dims]}}}\n"
             f"pipeline: {{axis: pp, schedule: {schedule}, micro_batches: {micro_batches}, "
@@ -65,7 +66,8 @@ def strategy(pp: int, schedule: str, micro_batches: int = 4, chunks: int = 1,
     if dp > 1:
         text += "data_parallel: {axis: dp}\n"
     if tp > 1:
-        text += f"tensor_parallel: {{axis: tp, plan: {TP_PLAN}}}\n"
+        plan = TP_PLAN[:-1] + ', "wte": vocab}' if vocab else TP_PLAN
+        text += f"tensor_parallel: {{axis: tp, plan: {plan}}}\n"
     return ap.Strategy.from_yaml_str(text.replace("'", "") + extra)
 
 
@@ -103,7 +105,8 @@ def test_adamw_trains_like_eager_on_the_simulator(schedule):
 
 
 def test_pp2_dp2_tp2_trains_like_eager_on_the_simulator():
-    losses, model, engine = train(2, "sgd", strategy(2, "1F1B", dp=2, tp=2))
+    """3-D, with a vocab-parallel embedding tied to the head on the last stage."""
+    losses, model, engine = train(2, "sgd", strategy(2, "1F1B", dp=2, tp=2, vocab=True))
     assert_like_eager(losses, model.state_dict(), 2, "sgd")
     peaks = engine.peak_activation_bytes()
     assert len(peaks) == 2 and peaks[0] > peaks[1] > 0   # rank 0 holds 2 micro-batches

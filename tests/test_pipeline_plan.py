@@ -266,3 +266,20 @@ def test_1f1b_holds_fewer_activations_than_f_then_b():
         peaks[schedule] = engine.peak_activation_bytes()
     # stage 0 holds p=2 micro-batches under 1F1B, all m=4 under F-then-B
     assert peaks["1F1B"][0] / peaks["FThenB"][0] == pytest.approx(0.5, abs=0.05)
+
+
+def test_reshard_plans_go_straight_over_micro_batches():
+    """A sum over micro-batches exists only once every micro-batch made its term: a value
+    partial over mb keeps that placement while other dims change, never reduced and made
+    partial again on the way (which the cost of per-micro-batch steps would otherwise buy)."""
+    from autopar.ir.dist import DistAttr, Partial, Replicate, Shard
+    from autopar.reshard import plan_reshard
+    mesh = ap.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["dp", "tp", "mb"])
+    src = DistAttr(mesh, (Partial(), Replicate(), Partial()))
+    dst = DistAttr(mesh, (Partial(), Shard(0), Partial()))
+    steps = plan_reshard((64, 32), src, dst)
+    assert [(s.kind, s.axis or mesh.dim_names[s.mesh_dim]) for s in steps] == [("slice", "tp")]
+    # a gradient: accumulated over micro-batches before its all-reduce over dp
+    grad = plan_reshard((64, 32), DistAttr(mesh, (Partial(), Replicate(), Partial())),
+                        DistAttr.replicated(mesh))
+    assert [mesh.dim_names[s.mesh_dim] for s in grad] == ["mb", "dp"]
