@@ -97,7 +97,8 @@ def main(steps: int = 300, batch_size: int = 16, dump_dir: str = "dumps/demo",
     sample = generate(engine, "def ", 60, cfg.block_size)
     say("sample:", repr(sample))
     say(f"pass dumps (one file per pass, per rank): {Path(dump_dir).resolve()}/rank<r>/ "
-        "(NN_reshard.txt: the collectives and why; NN_partition.txt: the rank's program)")
+        "(NN_reshard.txt: the collectives and why; NN_partition.txt, or a pipeline's "
+        "NN_jobs.txt: the rank's program)")
     return {"history": history, "valid": scores}
 
 

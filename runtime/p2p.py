@@ -60,9 +60,14 @@ class P2PTransport:
                                    "disagree)")
             shape, dtype = self.shapes[m]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            work = dist.irecv(buffer, self.peer(other), group=self.group)
-            self.incoming[m] = (work, buffer)
+            self.incoming[m] = (self._post(m, other, buffer), buffer)
             self.posted[other] += 1
+
+    def _post(self, m: Message, other: int, tensor: torch.Tensor):
+        """Post one message of the pair with ``other``: the only place that calls c10d."""
+        if m.src == self.me:
+            return dist.isend(tensor, self.peer(other), group=self.group)
+        return dist.irecv(tensor, self.peer(other), group=self.group)
 
     def send(self, m: Message, tensor: torch.Tensor) -> None:
         other, i = self.index[m]
@@ -71,7 +76,7 @@ class P2PTransport:
         if self.posted[other] != i:
             raise RuntimeError(f"pipeline p2p on rank {self.me}: {m} posted out of order")
         tensor = tensor.contiguous()
-        self.outgoing.append((dist.isend(tensor, self.peer(other), group=self.group), tensor))
+        self.outgoing.append((self._post(m, other, tensor), tensor))
         self.posted[other] += 1
 
     def recv(self, m: Message) -> torch.Tensor:

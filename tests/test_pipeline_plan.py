@@ -283,3 +283,46 @@ def test_reshard_plans_go_straight_over_micro_batches():
     grad = plan_reshard((64, 32), DistAttr(mesh, (Partial(), Replicate(), Partial())),
                         DistAttr.replicated(mesh))
     assert [mesh.dim_names[s.mesh_dim] for s in grad] == ["mb", "dp"]
+
+
+@pytest.mark.parametrize("schedule,pp,chunks,layers,tied", [
+    ("1F1B", 2, 1, 2, True), ("VPP", 2, 2, 4, True), ("ZBH1", 4, 1, 4, False),
+    ("FThenB", 2, 1, 2, True)])
+def test_both_ends_of_every_pair_post_its_messages_in_one_order(schedule, pp, chunks, layers,
+                                                                tied):
+    """What NCCL needs to never hang: each rank runs its jobs' receives and sends through its
+    transport, alone (the posting order is decided locally); for every pair, the messages
+    one end posts to the other come out in the same order as the other end posts them."""
+    from autopar.runtime.p2p import P2PTransport
+
+    class Recording(P2PTransport):
+        def _post(self, m, other, tensor):
+            self.log.setdefault(other, []).append(m)
+            return type("Done", (), {"wait": lambda self: None})()
+
+    _, program, plan = planned(gpt(layers, tie_weights=tied),
+                               pipeline(pp, schedule, vpp_chunks=chunks))
+    pipeline_plan = plan.pipeline
+    logs = {}
+    for rank in pipeline_plan.ranks:
+        jobs, shapes = [], {}
+        for job in rank.order:
+            local = partition(program, (max(job.micro_batch, 0),))
+            keys = local_keys(program, local, pipeline_plan.names)
+            jobs.append(job_program(program, local, keys, pipeline_plan, rank, job))
+            shapes.update({op.attrs["_message"]: (op.result.type.shape, op.result.type.dtype)
+                           for op in jobs[-1].ops if op.target == "comm.recv"})
+        transport = Recording(pipeline_plan.messages, rank.rank, lambda r: r, shapes, "cpu")
+        transport.log = {}
+        for job in jobs:
+            for op in job.ops:
+                if op.target == "comm.recv":
+                    transport.recv(op.attrs["_message"])
+                elif op.target == "comm.send":
+                    transport.send(op.attrs["_message"], torch.zeros(()))
+        transport.finish()
+        logs[rank.rank] = transport.log
+    pairs = {(a, b) for a in logs for b in logs[a]}
+    assert pairs
+    for a, b in pairs:
+        assert logs[a][b] == logs[b][a], f"ranks {a} and {b} post their messages differently"
