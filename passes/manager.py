@@ -16,6 +16,7 @@ from .dead_code import dead_code
 from .decompose_loss import decompose_loss
 from .explain import format_explanations
 from .fold_noops import fold_noops
+from .join_gradients import join_gradients
 from .lower_optimizer import lower_optimizer
 from .bucket_collectives import bucket_collectives
 from .pipeline_jobs import pipeline_jobs
@@ -54,6 +55,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("completion", completion, reports=(("explain", _explanations),)),
     Pass("reshard", reshard),
     Pass("bucket_collectives", bucket_collectives),
+    Pass("join_gradients", join_gradients),
     Pass("pipeline_jobs", pipeline_jobs),
     Pass("schedule", schedule, reports=(("jobs", format_schedule),)),
 )

@@ -60,7 +60,6 @@ class _Jobs:
         self.names = value_names(program)
 
     def run(self) -> None:
-        self._accumulate_before_joining()
         self._mark_boundaries()
         self._mark_per_micro_batch()
         self._anchor()
@@ -75,46 +74,6 @@ class _Jobs:
         for op, found in homes.items():
             op.attrs[HOMES] = Homes(found)
         self._check_flows()
-
-    # -- a gradient summed from two stages (a tied weight) ---------------------------------
-    def _accumulate_before_joining(self) -> None:
-        """``sum over mb (a + b)`` with ``a`` and ``b`` made on different stages (the
-        embedding's and the output head's gradient of a tied weight) becomes ``(sum over mb
-        a) + (sum over mb b)``: each stage accumulates its own term, and one message per step
-        joins them instead of one per micro-batch (Megatron's embedding-group all-reduce)."""
-        position = {op: i for i, op in enumerate(self.program.ops)}
-        for boundary in [op for op in self.program.ops if op.kind is OpKind.COMM]:
-            step = self._mb_step(boundary)
-            add = boundary.args[0].producer
-            if (not isinstance(step, AllReduce) or step.op != "sum"
-                    or add.target != "aten.add.Tensor" or add.kwargs or len(add.args) != 2
-                    or len(self.users.get(add.result, ())) != 1):
-                continue
-            stages = [_anchor_stage(v) for v in add.args]
-            if None in stages or stages[0] == stages[1]:
-                continue
-            self._join_accumulated(boundary, add, position)
-        self.users = self.program.users()
-
-    def _join_accumulated(self, boundary: Op, add: Op, position: dict[Op, int]) -> None:
-        terms = []
-        for v in add.args:
-            reduced = Op(OpKind.COMM, boundary.target, (v,), outputs=[Value(v.type)],
-                         role=boundary.role, module=boundary.module,
-                         attrs={**boundary.attrs, "step": boundary.attrs["step"]})
-            reduced.needs = (v.dist,)
-            reduced.result.dist, reduced.result.why = boundary.result.dist, boundary.result.why
-            reduced.result.producer = reduced
-            terms.append(reduced)
-        joined = Op(OpKind.CALL, add.target, tuple(t.result for t in terms),
-                    outputs=[boundary.result], role=Role.OPTIMIZER, module=add.module,
-                    attrs={"local_note": "a tied weight's gradient: each stage's term summed "
-                                         "over micro-batches, then joined once"})
-        joined.needs = tuple(t.result.dist for t in terms)
-        boundary.result.producer, boundary.result.index = joined, 0
-        at = self.program.ops.index(boundary)
-        self.program.ops[at:at + 1] = terms + [joined]
-        self.program.ops.remove(add)
 
     # -- what varies per micro-batch ---------------------------------------------------------
     def _mb_step(self, op: Op):
@@ -364,14 +323,6 @@ class _Jobs:
             f"{self.names.get(v, '?')} made by {_describe(v.producer)} on {src}: a pipeline "
             "sends forward values to later stages and gradients to earlier ones; check "
             "pipeline.split (layers used out of order, or a value shared across stages)")
-
-
-def _anchor_stage(value: Value) -> int | None:
-    """The stage of the call that made ``value``, through collectives that moved it."""
-    op = value.producer
-    while op is not None and op.kind is OpKind.COMM and op.args:
-        op = op.args[0].producer
-    return op.attrs.get(STAGE) if op is not None else None
 
 
 def _may_flow(many: bool, source: Home, target: Home, into_boundary: bool) -> bool:

@@ -70,7 +70,8 @@ def test_prepare_plans_without_running_and_dumps_every_pass(tmp_path, monkeypatc
                      "03_dead_code.txt", "04_clip_grad.txt", "05_lower_optimizer.txt",
                      "06_vocab_parallel_loss.txt", "07_annotate.txt", "08_split_stages.txt",
                      "09_completion.txt", "10_reshard.txt", "11_bucket_collectives.txt",
-                     "12_pipeline_jobs.txt", "13_schedule.txt", "timings.txt"]
+                     "12_join_gradients.txt", "13_pipeline_jobs.txt", "14_schedule.txt",
+                     "timings.txt"]
     assert "lower_optimizer" in (tmp_path / "rank0" / "timings.txt").read_text()
     final = (tmp_path / "rank0" / "05_lower_optimizer.txt").read_text()
     assert "optim.sgd" in final and "aten.linalg_vector_norm" in final

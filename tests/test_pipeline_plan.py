@@ -215,13 +215,13 @@ def test_dumps_show_the_schedule_and_every_rank_s_jobs(tmp_path):
     s = pipeline().model_copy(update={"debug": ap.Strategy(
         debug={"dump_dir": str(tmp_path), "simulate": True}).debug})
     planned(gpt(4), s)
-    jobs = (tmp_path / "rank0" / "13_schedule.jobs.txt").read_text()
+    jobs = (tmp_path / "rank0" / "14_schedule.jobs.txt").read_text()
     assert "rank 0 (stages [0], peak in-flight micro-batches 2): F0 F1 B0 F2 B1 F3 B2 B3" in jobs
     assert "bubble=" in jobs and "rank 1 " in jobs
-    rank1 = (tmp_path / "rank1" / "14_jobs.txt").read_text()
+    rank1 = (tmp_path / "rank1" / "15_jobs.txt").read_text()
     assert "# job F0@s1" in rank1 and "comm.recv()" in rank1 and "comm.send(" in rank1
     assert "accumulate[" in rank1 and "# job post" in rank1
-    stages = (tmp_path / "rank0" / "12_pipeline_jobs.txt").read_text()
+    stages = (tmp_path / "rank0" / "13_pipeline_jobs.txt").read_text()
     assert "@s0:F" in stages and "@s1:B" in stages and "@s0,1:post" in stages
 
 
@@ -326,3 +326,17 @@ def test_both_ends_of_every_pair_post_its_messages_in_one_order(schedule, pp, ch
     assert pairs
     for a, b in pairs:
         assert logs[a][b] == logs[b][a], f"ranks {a} and {b} post their messages differently"
+
+
+def test_a_tied_weight_s_gradient_crosses_stages_once_per_step():
+    """wte on stage 0 and the head on stage 1 share a weight: each stage sums its term over
+    the micro-batches and the two terms are exchanged once (not once per micro-batch)."""
+    _, program, plan = planned(gpt(4), pipeline(micro_batches=4))
+    messages = plan.pipeline.messages
+    per_micro_batch = [m for m in messages if m.micro_batch >= 0]
+    once = [m for m in messages if m.micro_batch < 0]
+    assert len(per_micro_batch) == 2 * 4           # an activation forward, its gradient back
+    assert sorted((m.src, m.dst) for m in once) == [(0, 1), (1, 0), (1, 0)]  # 2 terms, loss
+    joined = [op for op in program.ops if op.target == "aten.add.Tensor"
+              and op.role is Role.OPTIMIZER]
+    assert len(joined) == 1 and {s for s, _ in homes_of(joined[0])} == {0, 1}
