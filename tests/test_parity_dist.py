@@ -141,22 +141,26 @@ def _hf_eager(model: torch.nn.Module, name: str, ids: torch.Tensor) -> list[floa
     return losses
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_eager", "llama_sdpa"])
-def test_hugging_face_model_trains_like_eager_under_dp2_tp2(name):
-    pytest.importorskip("transformers")
+def hf_trains_like_eager(name: str, **strategy) -> None:
+    """``name`` (``_hf``) trained through ``Engine.fit`` on a simulated strategy (sections as
+    keyword arguments; its tensor_parallel plan is ``HF_PLANS``) equals eager, step by step."""
     model = _hf(name)
     reference = copy.deepcopy(model)
     ids = torch.randint(0, HF_VOCAB, (HF_STEPS * BATCH, SEQ),
                         generator=torch.Generator().manual_seed(0))
     want = _hf_eager(reference, name, ids)
-
-    strategy = ap.Strategy(mesh={"shape": [2, 2], "dim_names": ["dp", "tp"]},
-                           data_parallel={"axis": "dp"},
-                           tensor_parallel={"axis": "tp", "plan": HF_PLANS[name[:5]]},
-                           debug={"simulate": True})
+    strategy = ap.Strategy(**strategy, debug={"simulate": True},
+                           tensor_parallel={"axis": "tp", "plan": HF_PLANS[name[:5]]})
     opt, scheduler = _hf_optimizer(name, model)
     engine = ap.Engine(model, None, opt, strategy=strategy, lr_scheduler=scheduler)
     history = engine.fit([({"input_ids": x}, x.clone()) for x in ids], batch_size=BATCH,
                          verbose=0)
     assert_same_losses(history["loss"], want)
     _assert_same_params(model, {k: v.detach() for k, v in reference.state_dict().items()})
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_eager", "llama_sdpa"])
+def test_hugging_face_model_trains_like_eager_under_dp2_tp2(name):
+    pytest.importorskip("transformers")
+    hf_trains_like_eager(name, mesh={"shape": [2, 2], "dim_names": ["dp", "tp"]},
+                         data_parallel={"axis": "dp"})
