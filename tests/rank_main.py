@@ -32,8 +32,9 @@ def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0
     data = lm_data(int(steps) * int(batch), 16, 64)
     history = engine.fit(data, batch_size=int(batch), verbose=0)
     valid = engine.evaluate(data[:int(batch)], batch_size=int(batch))
+    predicted = engine.predict(data[:int(batch)], batch_size=int(batch))[0]
     return {"loss": history["loss"], "state": engine.state_dict(), "valid": valid,
-            "optim": engine.optimizer.state_dict()["state"]}
+            "optim": engine.optimizer.state_dict()["state"], "predict": predicted}
 
 
 def collectives() -> dict:

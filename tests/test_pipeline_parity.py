@@ -135,9 +135,14 @@ def test_one_stage_accumulates_gradients_like_the_full_batch():
 def test_real_gloo_ranks_train_like_eager(config, world, optim, tmp_path):
     results = run_ranks("train_gpt", world, config, optim, str(STEPS), str(BATCH), "0.1",
                         str(tmp_path))
+    model = gpt(2, optim)
+    model.load_state_dict(eager(2, optim)[1])
+    with torch.no_grad():
+        want = model.eval()(torch.stack([x for x, _ in lm_data(BATCH, SEQ, VOCAB)]))
     for result in results:       # every rank reports the global loss and the full model
         assert_like_eager(result["loss"], result["state"], 2, optim)
         assert result["valid"]["loss"] == pytest.approx(results[0]["valid"]["loss"])
+        torch.testing.assert_close(result["predict"], want, rtol=RTOL, atol=ATOL)
     # the trace: every process's jobs of every step, on one timeline
     trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
