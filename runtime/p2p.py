@@ -79,6 +79,16 @@ class P2PTransport:
         self.outgoing.append((self._post(m, other, tensor), tensor))
         self.posted[other] += 1
 
+    def prefetch(self) -> None:
+        """Post every receive the pair order allows now (up to this rank's next send of each
+        pair), so a message travels while this rank computes instead of when it is needed."""
+        for other, pair in self.pairs.items():
+            upto = self.posted[other]
+            while upto < len(pair) and pair[upto].src != self.me:
+                upto += 1
+            if upto > self.posted[other]:
+                self._post_receives(other, upto - 1)
+
     def recv(self, m: Message) -> torch.Tensor:
         other, i = self.index[m]
         if m not in self.incoming:

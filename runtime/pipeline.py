@@ -196,6 +196,7 @@ class PipelineExecutor:
         store = RankStore(self.rank, self.layout.micro_batches)
         if self.transport is not None:
             self.transport.start_step()
+            self.transport.prefetch()
         results: dict[Slot, Any] = {}
         events = []
         for job in self.rank.order:
@@ -206,6 +207,8 @@ class PipelineExecutor:
                                    self.pieces.tensors)
             rest = store.absorb(job, self.slots[job], values)
             events.append((job, start, time.perf_counter()))
+            if self.transport is not None:
+                self.transport.prefetch()
             if job.phase is Phase.POST:
                 results = rest
         if self.transport is not None:

@@ -315,6 +315,7 @@ def test_both_ends_of_every_pair_post_its_messages_in_one_order(schedule, pp, ch
         transport = Recording(pipeline_plan.messages, rank.rank, lambda r: r, shapes, "cpu")
         transport.log = {}
         for job in jobs:
+            transport.prefetch()      # as the runtime does between jobs
             for op in job.ops:
                 if op.target == "comm.recv":
                     transport.recv(op.attrs["_message"])
