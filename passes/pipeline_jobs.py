@@ -28,13 +28,11 @@ from __future__ import annotations
 from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.dist import micro_batch_dim
 from ..ir.printer import value_names
-from ..pipeline.phases import HOMES, Home, Homes, Phase
+from ..pipeline.phases import BOUNDARY, HOMES, Home, Homes, Phase
 from ..pipeline.schedules import splits_backward
 from ..reshard.steps import AllGather, AllReduce, MakePartial, Slice
 from .context import PassContext
 from .split_stages import STAGE
-
-BOUNDARY = "_boundary"      # op attribute: a reduction over micro-batches, run by the runtime
 
 
 class PipelineError(ValueError):

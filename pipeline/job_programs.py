@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..ir import Op, OpKind, OpaqueType, Program, Role, Slot, Value
+from ..ir import Op, OpKind, OpaqueType, Program, Role, Slot, Value, verify
 from ..ir.dist import micro_batch_dim
 from ..reshard.steps import MakePartial, Slice
 from ..spmd.local_forms.registry import draws_random
@@ -74,6 +74,7 @@ class _JobBuilder:
         for message in recvs.values():     # for the results, or for a later job of this rank
             self._receive(message)
         self._finish()
+        verify(self.out)
         return self.out
 
     # -- values entering the job ---------------------------------------------------------

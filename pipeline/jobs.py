@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from ..ir import Op, OpKind, Program, Slot, Value
 from ..ir.printer import value_names
 from .layout import PipelineLayout
-from .phases import Phase, homes_of
+from .phases import BOUNDARY, Phase, homes_of
 from .schedules import Job
 
 STEP = -1     # the micro-batch index of a once-a-step value or job
-BOUNDARY = "_boundary"
 
 
 @dataclass(frozen=True, order=True)
@@ -344,8 +343,26 @@ class _Planner:
 def plan_pipeline(program: Program, layout: PipelineLayout, schedule) -> PipelinePlan:
     """Every rank's jobs and every message of one pipelined step of ``program`` (after the
     ``pipeline_jobs`` and ``schedule`` passes)."""
-    return _Planner(program, layout, schedule).run()
+    plan = _Planner(program, layout, schedule).run()
+    check_messages(plan)
+    return plan
+
+
+def check_messages(plan: PipelinePlan) -> None:
+    """Every message is sent by one job of its source rank and received by one job of its
+    destination, which runs that job; a rank never sends to itself."""
+    sent = [m for r in plan.ranks for ms in r.sent.values() for m in ms]
+    received = [m for r in plan.ranks for ms in r.received.values() for m in ms]
+    for m in plan.messages:
+        if m.src == m.dst or sent.count(m) != 1 or received.count(m) != 1:
+            raise AssertionError(f"pipeline message {m}: sent {sent.count(m)} and received "
+                                 f"{received.count(m)} times")
+        for rank, job in ((m.src, m.src_job), (m.dst, m.dst_job)):
+            if job not in plan.ranks[rank].order:
+                raise AssertionError(f"pipeline message {m}: rank {rank} runs no job {job}")
+    if len(sent) != len(plan.messages) or len(received) != len(plan.messages):
+        raise AssertionError("pipeline: a job sends or receives a message the plan lacks")
 
 
 __all__ = ["JobId", "Message", "Accumulation", "RankPlan", "PipelinePlan", "plan_pipeline",
-           "STEP"]
+           "check_messages", "STEP"]

@@ -39,7 +39,9 @@ class Phase(str, enum.Enum):
 _ORDER = {p: i for i, p in enumerate(Phase)}
 
 Home = tuple[int, Phase]
-HOMES = "_homes"   # op attribute: an op's Homes
+HOMES = "_homes"        # op attribute: an op's Homes
+BOUNDARY = "_boundary"  # op attribute: a sum or gather over micro-batches (its step), which
+                        # the runtime runs between jobs
 
 
 class Homes(tuple):
@@ -64,4 +66,4 @@ def homes_of(op) -> Homes:
     return op.attrs.get(HOMES, Homes(()))
 
 
-__all__ = ["Phase", "Home", "HOMES", "Homes", "homes_of"]
+__all__ = ["Phase", "Home", "HOMES", "BOUNDARY", "Homes", "homes_of"]
