@@ -12,8 +12,12 @@ per-micro-batch values held between its jobs.
 The bytes one micro-batch leaves on rank r are F-then-B's peak / m (it holds all m), so each
 peak is also shown as micro-batches held, beside the closed form: F-then-B m; 1F1B
 min(m, p - r); VPP with v chunks per rank min(v m, 2 (p - r - 1) + (v - 1) p + 1) chunks of
-1/v of the rank's layers (Megatron's warm-up + 1); ZB-H1 at most p (the deferred weight
-gradients keep what they read until the cool-down). The last rank's micro-batch also holds
+1/v of the rank's layers (Megatron's warm-up + 1); ZB-H1 has no closed form here: rank r
+holds 1F1B's p - r micro-batches plus, for each B whose W is deferred, what that W reads
+(the layers' inputs and output gradients, a fraction of a micro-batch's activations), so it
+is shown next to 1F1B's p. A peak is taken at the end of each job, before the values that
+job read for the last time are freed (they are all alive then). The last rank's micro-batch
+also holds
 the logits and the loss, so the max over ranks sits there for F-then-B and on rank 0 for the
 others, and the max ratio 1F1B/F-then-B comes out below the closed form's p/m; a VPP rank's
 chunks are counted as equal halves, which the last rank's (one with the head) are not. The
@@ -68,7 +72,7 @@ def closed_form(label: str, p: int, m: int, v: int, r: int) -> str:
         return f"{min(m, p - r)}"
     if label.startswith("VPP"):
         return f"{min(v * m, 2 * (p - r - 1) + (v - 1) * p + 1) / v:g}"
-    return f"<={p}"
+    return f"~{p}"
 
 
 def measure(args: argparse.Namespace, pipeline: dict, x, y) -> tuple[list[int], float, float]:

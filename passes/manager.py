@@ -111,7 +111,8 @@ class PassManager:
         if self.dump_dir is None:
             return
         prefix = "" if ctx.mode == "train" else f"{ctx.mode}_"
-        path = Path(self.dump_dir) / f"rank{rank}" / f"{prefix}{len(self.passes) + 1:02d}_{name}.txt"
+        number = len(self.passes) + 1
+        path = Path(self.dump_dir) / f"rank{rank}" / f"{prefix}{number:02d}_{name}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         self.dumped.append(path)

@@ -31,7 +31,7 @@ __all__ = ["PipelineLayout"]
 @dataclass(frozen=True)
 class PipelineLayout:
     stage_ids: tuple[tuple[int, ...], ...]   # per pp position: its stage mesh's ids, row-major
-    stage_shape: tuple[int, ...]             # every stage mesh's shape; () when a stage is one process
+    stage_shape: tuple[int, ...]             # every stage mesh's shape; () for one process
     stage_dims: tuple[str, ...]
     micro_batches: int
     schedule: str
