@@ -17,11 +17,11 @@ holds 1F1B's p - r micro-batches plus, for each B whose W is deferred, what that
 (the layers' inputs and output gradients, a fraction of a micro-batch's activations), so it
 is shown next to 1F1B's p. A peak is taken at the end of each job, before the values that
 job read for the last time are freed (they are all alive then). The last rank's micro-batch
-also holds
-the logits and the loss, so the max over ranks sits there for F-then-B and on rank 0 for the
-others, and the max ratio 1F1B/F-then-B comes out below the closed form's p/m; a VPP rank's
-chunks are counted as equal halves, which the last rank's (one with the head) are not. The
-first step's losses of every schedule are checked equal (the same model and batch).
+also holds the logits and the loss, so the max over ranks sits there for F-then-B and on
+rank 0 for the others, and the max ratio 1F1B/F-then-B comes out below the closed form's
+p/m; a VPP rank's chunks are counted as equal halves, which the last rank's (one with the
+head) are not. The first step's losses of every schedule are checked equal (the same model
+and batch).
 """
 from __future__ import annotations
 
