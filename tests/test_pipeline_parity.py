@@ -47,12 +47,14 @@ def gpt(layers: int, optim: str, dropout: float = 0.1) -> GPT:
 
 
 @functools.cache
-def eager(layers: int, optim: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def eager(layers: int, optim: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    """Losses, final parameters and final optimizer state of the single-device run."""
     model = gpt(layers, optim)
     optimizer, scheduler = gpt_optimizer(optim, model)
     losses = eager_train(model, lm_loss, optimizer, lm_data(STEPS * BATCH, SEQ, VOCAB),
                          batch_size=BATCH, steps=STEPS, scheduler=scheduler)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return (losses, {k: v.detach().clone() for k, v in model.state_dict().items()},
+            optimizer.state_dict()["state"])
 
 
 def strategy(pp: int, schedule: str, micro_batches: int = 4, chunks: int = 1,
@@ -81,7 +83,7 @@ def train(layers: int, optim: str, s: ap.Strategy) -> tuple[list[float], GPT, ap
 
 def assert_like_eager(losses: list[float], state: dict[str, torch.Tensor], layers: int,
                       optim: str) -> None:
-    want_losses, want_state = eager(layers, optim)
+    want_losses, want_state, _ = eager(layers, optim)
     assert_same_losses(losses, want_losses)
     for name, value in want_state.items():
         if name in state:
@@ -143,6 +145,11 @@ def test_real_gloo_ranks_train_like_eager(config, world, optim, tmp_path):
         assert_like_eager(result["loss"], result["state"], 2, optim)
         assert result["valid"]["loss"] == pytest.approx(results[0]["valid"]["loss"])
         torch.testing.assert_close(result["predict"], want, rtol=RTOL, atol=ATOL)
+        # the optimizer's state_dict is torch's full state, gathered across the stages
+        for index, state in eager(2, optim)[2].items():
+            for key, value in state.items():
+                torch.testing.assert_close(result["optim"][index][key], value, rtol=RTOL,
+                                           atol=ATOL, msg=lambda m: f"state {index} {key}: {m}")
     # the trace: every process's jobs of every step, on one timeline
     trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
