@@ -30,7 +30,7 @@ from ..passes.partition import partition
 from ..pipeline.job_programs import format_jobs
 from ..pipeline.jobs import PipelinePlan, plan_pipeline
 from ..pipeline.layout import PipelineLayout
-from ..pipeline.timeline import chrome_trace, timeline_events
+from ..pipeline.timeline import chrome_trace
 from ..runtime.distributed import RankPieces, input_cutter, rank_executor
 from ..runtime.executor import Executor
 from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups, p2p_group
@@ -165,27 +165,19 @@ class Engine:
             plan.executor.trace = []
         return plan
 
+    def _last_pipeline(self, mode: str) -> Plan | None:
+        plans = [plan for (m, *_), plan in self._plans.items()
+                 if m == mode and plan.pipeline is not None and plan.executor is not None]
+        return plans[-1] if plans else None
+
     def _write_trace(self) -> None:
         """The last pipelined training program's jobs, per process on a timeline, as a
         Chrome/Perfetto trace: measured on real processes (a collective), the schedule's
-        simulated timeline (1 unit = 1 ms) when simulating."""
-        plans = [plan for (m, *_), plan in self._plans.items()
-                 if m == "train" and plan.pipeline is not None and plan.executor is not None]
-        if not plans:
+        simulated timeline when simulating."""
+        plan = self._last_pipeline("train")
+        if plan is None:
             return
-        plan, executor = plans[-1], plans[-1].executor
-        if isinstance(executor, PipelineSimulator):
-            events = timeline_events(plan.pipeline.schedule.timeline)
-        else:
-            mine = [(self.launch_rank, str(job), start + executor.clock, end + executor.clock)
-                    for job, start, end in executor.trace or ()]
-            events = mine
-            if torch.distributed.is_initialized():
-                everyone: list = [None] * torch.distributed.get_world_size()
-                torch.distributed.all_gather_object(everyone, mine)
-                events = [e for part in everyone for e in part]
-            origin = min((e[2] for e in events), default=0.0)
-            events = [(r, label, a - origin, b - origin) for r, label, a, b in events]
+        events = plan.executor.trace_events(self.launch_rank)
         if self.is_logging_rank:
             path = Path(self.dump_dir) / "pipeline_trace.json"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -440,22 +432,10 @@ class Engine:
         """A pipeline's high-water mark of activations held between jobs in the last step
         of ``mode``, per pipeline rank (on real processes: each rank's first process's,
         gathered; a collective, so every process calls it)."""
-        plans = [plan for (m, *_), plan in self._plans.items()
-                 if m == mode and plan.pipeline is not None and plan.executor is not None]
-        if not plans:
+        plan = self._last_pipeline(mode)
+        if plan is None:
             raise ValueError(f"peak_activation_bytes: no pipelined {mode!r} step has run")
-        executor = plans[-1].executor
-        if isinstance(executor, PipelineSimulator):
-            return list(executor.peak_activation_bytes)
-        mine = (executor.pieces.pp, executor.peak_activation_bytes)
-        if not torch.distributed.is_initialized():
-            return [mine[1]]
-        everyone: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, mine)
-        peaks = [0] * executor.layout.ranks
-        for pp, peak in everyone:
-            peaks[pp] = max(peaks[pp], peak)
-        return peaks
+        return plan.executor.peaks()
 
     def programs(self) -> dict[str, Program]:
         return {f"{mode}{i}": plan.program for i, ((mode, *_), plan) in enumerate(self._plans.items())}

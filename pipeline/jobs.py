@@ -21,6 +21,7 @@ has not posted, whatever the real timing (``runtime.p2p``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ..ir import Op, OpKind, Program, Slot, Value
@@ -85,6 +86,14 @@ class RankPlan:
     accumulations: list[Accumulation] = field(default_factory=list)
     results: list[tuple[Slot, str]] = field(default_factory=list)   # the post job's outputs
     last_read: dict[tuple[str, int], JobId] = field(default_factory=dict)
+
+    @functools.cached_property
+    def frees(self) -> dict[JobId, list[tuple[str, int]]]:
+        """The kept values each job reads for the last time (freed after it)."""
+        out: dict[JobId, list[tuple[str, int]]] = {}
+        for pair, job in self.last_read.items():
+            out.setdefault(job, []).append(pair)
+        return out
 
     def describe(self) -> str:
         lines = [f"rank {self.rank} (stages {self.stages}): "

@@ -151,6 +151,32 @@ class PipelineExecutor:
         self.trace: list[tuple[JobId, float, float]] | None = None   # every step's, if kept
         self.peak_activation_bytes = 0
 
+    def peaks(self) -> list[int]:
+        """Each pipeline rank's peak activation bytes of the last step (every process's
+        gathered: a collective)."""
+        mine = (self.pieces.pp, self.peak_activation_bytes)
+        everyone = [mine]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        peaks = [0] * self.layout.ranks
+        for pp, peak in everyone:
+            peaks[pp] = max(peaks[pp], peak)
+        return peaks
+
+    def trace_events(self, process: int) -> list[tuple[int, str, float, float]]:
+        """Every process's jobs of the kept steps, (process, job, start, end) in seconds
+        from the first (a collective)."""
+        mine = [(process, str(job), start + self.clock, end + self.clock)
+                for job, start, end in self.trace or ()]
+        events = mine
+        if dist.is_initialized():
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            events = [e for part in everyone for e in part]
+        origin = min((e[2] for e in events), default=0.0)
+        return [(r, label, a - origin, b - origin) for r, label, a, b in events]
+
     def _bind(self, program: Program, groups: MeshGroups | None) -> dict:
         comm = {}
         for op in program.ops_of(OpKind.COMM):

@@ -21,6 +21,7 @@ from ..passes.partition import partition
 from ..pipeline.job_programs import job_program, local_keys
 from ..pipeline.jobs import STEP, JobId, PipelinePlan
 from ..pipeline.phases import Phase
+from ..pipeline.timeline import timeline_events
 from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
 from .pipeline_step import RankStore, RngTable
 from .simulator import call_op, communicate
@@ -69,6 +70,14 @@ class PipelineSimulator:
                             jobs[(rank.rank, c, job)] = job_program(
                                 self.program, local, keys, self.plan, rank, job)
         return jobs
+
+    def peaks(self) -> list[int]:
+        """Each pipeline rank's peak activation bytes of the last step."""
+        return list(self.peak_activation_bytes)
+
+    def trace_events(self, process: int) -> list[tuple[int, str, float, float]]:
+        """The schedule's simulated timeline (1 unit = 1 ms), per pipeline rank."""
+        return timeline_events(self.plan.schedule.timeline)
 
     # -- one step -------------------------------------------------------------------------
     def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:

@@ -78,9 +78,6 @@ class RankStore:
         self.plan, self.m = plan, micro_batches
         self.values: dict[tuple[str, int], Any] = {}
         self.terms: dict[str, Any] = {}
-        self.frees: dict[JobId, list[tuple[str, int]]] = {}
-        for pair, job in plan.last_read.items():
-            self.frees.setdefault(job, []).append(pair)
         self.accumulation = {a.input_key: a for a in plan.accumulations}
         # per-micro-batch tensors held between jobs, by storage: (bytes, references)
         self.storages: dict[int, list[int]] = {}
@@ -111,7 +108,7 @@ class RankStore:
                 rest[slot] = value
         if self.held_bytes > self.peak_activation_bytes:
             self.peak_activation_bytes = self.held_bytes
-        for pair in self.frees.get(job, ()):
+        for pair in self.plan.frees.get(job, ()):
             value = self.values.pop(pair, None)
             if pair[1] != STEP and isinstance(value, torch.Tensor):
                 self._hold(value, -1)
