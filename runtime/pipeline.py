@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..ir import OpKind, Program, Slot
-from ..ir.dist import DistAttr, local_slices
+from ..ir.dist import DistAttr
 from ..passes.partition import partition
 from ..pipeline.job_programs import job_program, local_keys
 from ..pipeline.jobs import STEP, JobId, Message, PipelinePlan
@@ -29,7 +29,7 @@ from .codegen import generate
 from .collectives import bind_comm
 from .distributed import gather_full, initial_piece
 from .p2p import P2PTransport
-from .pipeline_step import RankStore, RngTable
+from .pipeline_step import MicroBatchCutter, RankStore, RngTable
 from .process_groups import MeshAxisGroup, MeshGroups
 
 __all__ = ["PipelineExecutor", "PipelinePieces", "logical_groups"]
@@ -120,7 +120,7 @@ class PipelineExecutor:
         layout = plan.layout
         self.layout, self.rank = layout, plan.ranks[pieces.pp]
         self.coordinate = pieces.coordinate
-        self.inputs = {op.attrs["name"]: op.result for op in program.ops_of(OpKind.INPUT)}
+        self.cutter = MicroBatchCutter(program, self.coordinate, layout.micro_batches)
         self.rng = RngTable(program)
         shapes: dict[Message, tuple] = {}
         self.jobs, self.fns, self.slots = {}, {}, {}
@@ -191,17 +191,6 @@ class PipelineExecutor:
                 comm[op] = bind_comm(op.attrs["_global"], groups)
         return comm
 
-    def _feeds(self, feeds: dict[str, Any], k: int) -> dict[str, Any]:
-        out = {}
-        for name, x in feeds.items():
-            v = self.inputs.get(name)
-            if isinstance(x, torch.Tensor) and v is not None and v.dist is not None:
-                out[name] = x[local_slices(v.type.shape, v.dist.mesh, v.dist.placements,
-                                           self.coordinate + (k,))]
-            else:
-                out[name] = x
-        return out
-
     def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
         generator = torch.default_generator
         saved = generator.get_state()
@@ -217,7 +206,7 @@ class PipelineExecutor:
 
     def _step(self, feeds: dict[str, Any], seed: int | None) -> dict[Slot, Any]:
         rng = self.rng.states(seed) if (self.rng and seed is not None) else {}
-        bases = {k: {**self._feeds(feeds, k), **rng}
+        bases = {k: {**self.cutter.cut(feeds, k), **rng}
                  for k in range(self.layout.micro_batches)}
         store = RankStore(self.rank, self.layout.micro_batches)
         if self.transport is not None:

@@ -16,14 +16,14 @@ import numpy as np
 import torch
 
 from ..ir import OpKind, Program, Slot
-from ..ir.dist import DistAttr, ProcessMesh, assemble, local_slices, shard_tensor_local
+from ..ir.dist import DistAttr, ProcessMesh, assemble, shard_tensor_local
 from ..passes.partition import partition
 from ..pipeline.job_programs import job_program, local_keys
 from ..pipeline.jobs import STEP, JobId, PipelinePlan
 from ..pipeline.phases import Phase
 from ..pipeline.timeline import timeline_events
 from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
-from .pipeline_step import RankStore, RngTable
+from .pipeline_step import MicroBatchCutter, RankStore, RngTable
 from .simulator import call_op, communicate
 
 __all__ = ["PipelineSimulator"]
@@ -48,8 +48,8 @@ class PipelineSimulator:
         self.rng = RngTable(program)
         self.states = {op.attrs["name"]: op.result for op in program.ops
                        if op.kind is OpKind.STATE}
-        self.inputs = {op.attrs["name"]: op.result for op in program.ops
-                       if op.kind is OpKind.INPUT}
+        self.cutters = {c: MicroBatchCutter(program, c, layout.micro_batches)
+                        for c in self.coords}
         self.peak_activation_bytes: list[int] = [0] * layout.ranks
         self.rank_states = {r.rank: {op.attrs["name"] for (rank, c, _), job in self.jobs.items()
                                      if rank == r.rank and c == self.coords[0]
@@ -184,16 +184,7 @@ class PipelineSimulator:
     def _feeds(self, feeds: dict[str, Any], c: Coordinate, job: JobId, rng) -> dict[str, Any]:
         """This coordinate's pieces of the batch for the job's micro-batch, the
         hyper-parameters and the random states."""
-        k = max(job.micro_batch, 0)
-        out = dict(rng)
-        for name, x in feeds.items():
-            v = self.inputs.get(name)
-            if isinstance(x, torch.Tensor) and v is not None and v.dist is not None:
-                out[name] = x[local_slices(v.type.shape, v.dist.mesh, v.dist.placements,
-                                           c + (k,))]
-            else:
-                out[name] = x
-        return out
+        return {**rng, **self.cutters[c].cut(feeds, max(job.micro_batch, 0))}
 
     # -- state ---------------------------------------------------------------------------------
     def _state_pieces(self, rank: int, c: Coordinate) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..ir import Op, Program, Slot
+from ..ir import Op, OpKind, Program, Slot
+from ..ir.dist import local_slices
 from ..ir.lower_fx import STRIDES_ATTR
 from ..ir.printer import value_names
 from ..pipeline.job_programs import random_ops
@@ -18,7 +19,24 @@ from ..pipeline.phases import Phase
 from ..reshard.steps import AllGather, AllReduce
 from .kernels import resolve
 
-__all__ = ["RngTable", "RankStore"]
+__all__ = ["RngTable", "RankStore", "MicroBatchCutter"]
+
+
+class MicroBatchCutter:
+    """``cut(feeds, k)``: a process's piece of the full feeds for micro-batch ``k`` (views),
+    by the input values' placements at its coordinate; the slices are found once."""
+
+    def __init__(self, program: Program, coordinate: tuple[int, ...], micro_batches: int):
+        placed = [(op.attrs["name"], op.result) for op in program.ops_of(OpKind.INPUT)
+                  if op.result.is_tensor and op.result.dist is not None]
+        self.slices = [{name: local_slices(v.type.shape, v.dist.mesh, v.dist.placements,
+                                           tuple(coordinate) + (k,)) for name, v in placed}
+                       for k in range(micro_batches)]
+
+    def cut(self, feeds: dict[str, Any], k: int) -> dict[str, Any]:
+        slices = self.slices[k]
+        return {name: (x[slices[name]] if name in slices and isinstance(x, torch.Tensor)
+                       else x) for name, x in feeds.items()}
 
 
 class RngTable:
