@@ -8,16 +8,14 @@ runs as plain torch.
 """
 from __future__ import annotations
 
-import json
 import weakref
 from typing import Sequence
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from .ir.dist import (DistAttr, Placement, ProcessMesh, format_placements, parse_placements)
-
-ANNOTATE_TARGET = "autopar.annotate.default"
+from .ir.annotation import encode
+from .ir.dist import DistAttr, Placement, ProcessMesh
 
 # Parameters annotated before planning: id(tensor) -> (weak ref, placement). Keyed by id
 # (tensors compare elementwise); the weak ref tells a dead tensor from a reused id.
@@ -44,32 +42,4 @@ def param_annotation(tensor: torch.Tensor) -> DistAttr | None:
     return dist if ref is not None and ref() is tensor else None
 
 
-def encode(dist: DistAttr) -> str:
-    """The text a traced annotation op carries: mesh ids, dim names and placements."""
-    return json.dumps({"mesh": dist.mesh.tolist(), "dim_names": list(dist.mesh.dim_names),
-                       "placements": format_placements(dist.placements)})
-
-
-def decode(text: str) -> DistAttr:
-    data = json.loads(text)
-    return DistAttr(ProcessMesh(data["mesh"], data["dim_names"]),
-                    parse_placements(data["placements"]))
-
-
-@torch.library.custom_op("autopar::annotate", mutates_args=())
-def _annotate(x: torch.Tensor, dist: str) -> torch.Tensor:
-    return x.clone()
-
-
-@_annotate.register_fake
-def _(x: torch.Tensor, dist: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _annotate_backward(ctx, grad: torch.Tensor):
-    return grad, None   # the gradient is not pinned: completion places it by the rules
-
-
-_annotate.register_autograd(_annotate_backward)
-
-__all__ = ["shard_tensor", "param_annotation", "encode", "decode", "ANNOTATE_TARGET"]
+__all__ = ["shard_tensor", "param_annotation"]

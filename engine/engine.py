@@ -41,6 +41,7 @@ from ..strategy import Strategy
 from .data import batch_size_of, batches
 from .logging import ProgressLog
 from .offline import PlanningDone, current_session
+from ..ir.attrs import NAME
 
 # Strategy sections this version can plan (completion places every value); any other
 # enabled section is refused up front.
@@ -240,7 +241,7 @@ class Engine:
         program = manager.run(captured.program, ctx)
         for op in program.states(StateKind.PARAM):
             if op.result.dist is not None:
-                self._kept.setdefault(op.attrs["name"], op.result.dist)
+                self._kept.setdefault(op.attrs[NAME], op.result.dist)
         plan = Plan(captured.spec, program, dict(manager.timings), ctx.mesh)
         if ctx.pipeline is not None:
             plan.pipeline = plan_pipeline(program, ctx.pipeline, ctx.schedule)
@@ -314,7 +315,7 @@ class Engine:
         raise KeyError(f"no initial value for program state {name!r}")
 
     def _init_optimizer_state(self, program: Program) -> None:
-        wanted = {op.attrs["name"] for op in program.states(StateKind.OPTIM)}
+        wanted = {op.attrs[NAME] for op in program.states(StateKind.OPTIM)}
         if not wanted - self.state.keys():
             return
         for group in self.optimizer.param_groups:

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from .core import Op, OpKind, Program, Role, Slot, StateKind, Value
 from .lower_fx import Lowering, value_type
+from .attrs import NAME, SLOTS, STATE
 
 
 class CaptureError(RuntimeError):
@@ -361,14 +362,14 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
 
     def state_value(name: str, tensor: torch.Tensor, kind: StateKind) -> Value:
         op = Op(OpKind.STATE, "state", outputs=[Value(value_type(tensor))],
-                attrs={"state": kind, "name": name})
+                attrs={STATE: kind, NAME: name})
         return program.add(op).outputs[0]
 
     placeholders: list[Value] = [state_value(n, params[n], StateKind.PARAM) for n in param_names]
     placeholders += [state_value(n, buffers[n], StateKind.BUFFER) for n in buffer_names]
     batch_leaves, _ = flatten_batch(inputs, labels)
     for i, leaf in enumerate(batch_leaves):
-        op = Op(OpKind.INPUT, "input", outputs=[Value(value_type(leaf))], attrs={"name": f"batch/{i}"})
+        op = Op(OpKind.INPUT, "input", outputs=[Value(value_type(leaf))], attrs={NAME: f"batch/{i}"})
         placeholders.append(program.add(op).outputs[0])
 
     lowering = Lowering(program, gm, attribute_paths=_attribute_paths(model))
@@ -383,5 +384,5 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
             raise CaptureError(f"model output leaf {i} is a {type(out).__name__}, not a tensor")
         results.append((Slot("output", str(i)), out))
     program.add(Op(OpKind.OUTPUT, "output", args=tuple(v for _, v in results),
-                   role=Role.FORWARD, attrs={"slots": [s for s, _ in results]}))
+                   role=Role.FORWARD, attrs={SLOTS: tuple(s for s, _ in results)}))
     return Captured(program, spec, param_names, buffer_names)

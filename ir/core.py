@@ -11,9 +11,15 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
+
+from .attrs import CONST, NAME, SLOTS, STATE, Attr, Slot, StateKind, check_attrs  # noqa: F401
+
+if TYPE_CHECKING:
+    from .dist import DistAttr
+    from .reason import Reason
 
 
 class OpKind(str, enum.Enum):
@@ -30,13 +36,6 @@ class Role(str, enum.Enum):
     BACKWARD = "bwd"
     OPTIMIZER = "opt"
     COMM = "comm"
-
-
-class StateKind(str, enum.Enum):
-    PARAM = "param"
-    BUFFER = "buffer"
-    CONST = "const"
-    OPTIM = "optim"
 
 
 @dataclass(frozen=True)
@@ -80,8 +79,9 @@ def dtype_abbrev(dtype: torch.dtype) -> str:
 
 
 class Value:
-    """An SSA value. ``dist`` is the distributed attribute slot completion fills; ``why``
-    records how it was chosen (an annotation, a rule, a consumer), for explain."""
+    """An SSA value. ``dist`` is its placement, which completion fills (None: not placed,
+    or a serial program); ``why`` records how it was chosen (an annotation, a rule, a
+    consumer), for explain."""
 
     __slots__ = ("type", "producer", "index", "dist", "why")
 
@@ -89,8 +89,8 @@ class Value:
         self.type = type
         self.producer = producer
         self.index = index
-        self.dist: Any = None
-        self.why: Any = None
+        self.dist: DistAttr | None = None
+        self.why: Reason | None = None
 
     @property
     def is_tensor(self) -> bool:
@@ -99,20 +99,6 @@ class Value:
     def __repr__(self) -> str:
         return f"Value({self.type})"
 
-
-@dataclass(frozen=True)
-class Slot:
-    """What one program result means: the loss, a parameter's gradient, a model output,
-    or the new value of a piece of state (written back by the runtime)."""
-
-    kind: str  # "loss" | "grad" | "output" | "update"; a pipeline job's: "carry" | "accumulate"
-    name: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.kind}[{self.name}]" if self.name else self.kind
-
-
-SLOT_KINDS = ("loss", "grad", "output", "update", "carry", "accumulate")
 
 _op_ids = itertools.count()
 
@@ -130,7 +116,7 @@ class Op:
     role: Role = Role.FORWARD
     module: str = ""
     forward_op: "Op | None" = None     # for a backward op: the forward op it differentiates
-    attrs: dict[str, Any] = field(default_factory=dict)
+    attrs: dict[Attr, Any] = field(default_factory=dict)   # typed keys (ir.attrs)
     uid: int = field(default_factory=lambda: next(_op_ids))
     # Set by completion: the placement each tensor input must have (``op.inputs`` order,
     # tensors only). Where it differs from the input's own, reshard inserts communication.
@@ -202,9 +188,9 @@ class Program:
 
     def add_call(self, target: str, args: tuple, out_types: list[ValueType], *,
                  role: Role, module: str = "", kwargs: dict | None = None,
-                 forward_op: Op | None = None, **attrs: Any) -> Op:
+                 forward_op: Op | None = None, attrs: dict[Attr, Any] | None = None) -> Op:
         op = Op(OpKind.CALL, target, args, kwargs or {}, [Value(t) for t in out_types],
-                role, module, forward_op, attrs)
+                role, module, forward_op, dict(attrs or {}))
         return self.add(op)
 
     def insert_after(self, anchor: Op, op: Op) -> Op:
@@ -223,7 +209,7 @@ class Program:
 
     def results(self) -> list[tuple[Slot, Value]]:
         out = self.output_op
-        return list(zip(out.attrs["slots"], out.args))
+        return list(zip(out.attrs[SLOTS], out.args))
 
     def result(self, kind: str, name: str = "") -> Value:
         for slot, value in self.results():
@@ -236,7 +222,7 @@ class Program:
 
     def states(self, state_kind: StateKind | None = None) -> list[Op]:
         return [op for op in self.ops_of(OpKind.STATE)
-                if state_kind is None or op.attrs["state"] is state_kind]
+                if state_kind is None or op.attrs[STATE] is state_kind]
 
     def users(self) -> dict[Value, list[Op]]:
         table: dict[Value, list[Op]] = {}
@@ -247,7 +233,7 @@ class Program:
 
     def set_results(self, results: list[tuple[Slot, Value]]) -> None:
         out = self.output_op
-        out.attrs["slots"] = [s for s, _ in results]
+        out.attrs[SLOTS] = tuple(s for s, _ in results)
         out.args = tuple(v for _, v in results)
 
     # -- copying --------------------------------------------------------------------------

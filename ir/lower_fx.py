@@ -12,15 +12,15 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from .ops import UnknownOpError, op_info, target_name
 from .core import OpaqueType, Op, OpKind, Program, Role, StateKind, TensorType, Value
+from .attrs import CONST, MULTI, NAME, STATE, STRIDES
 
 
 class LoweringError(RuntimeError):
     pass
 
 
-# op attribute: the strides of each output as traced (random ops only; None for a non-tensor)
-STRIDES_ATTR = "_strides"
 
 _PHASE_ROLE = {"fwd": Role.FORWARD, "loss": Role.LOSS, "bwd": Role.BACKWARD, "opt": Role.OPTIMIZER}
 
@@ -33,12 +33,12 @@ def value_type(meta_val: Any) -> TensorType | OpaqueType:
     return OpaqueType(type(meta_val).__name__)
 
 
-def target_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" \
-            else f"{target.namespace}.{target._opname}.{target._overloadname}"
-    raise LoweringError(f"cannot lower fx target {target!r}: only ATen-level operators are "
-                       "expected after make_fx")
+def _target(node_target: Any) -> str:
+    try:
+        return target_name(node_target)
+    except UnknownOpError:
+        raise LoweringError(f"cannot lower fx target {node_target!r}: only ATen-level operators "
+                            "are expected after make_fx") from None
 
 
 class Lowering:
@@ -78,8 +78,8 @@ class Lowering:
         tensor = getattr(self.gm, node.target)
         label = self.attribute_paths.get(id(tensor), node.target)
         op = Op(OpKind.STATE, "state", outputs=[Value(value_type(tensor))],
-                attrs={"state": StateKind.CONST, "name": f"const/{label}@{_digest(tensor)}",
-                       "_value": tensor})
+                attrs={STATE: StateKind.CONST, NAME: f"const/{label}@{_digest(tensor)}",
+                       CONST: tensor})
         self.program.ops.insert(self._state_insert_point(), op)
         op.outputs[0].producer = op
         self.constants[node.target] = op.outputs[0]
@@ -113,14 +113,15 @@ class Lowering:
         val = node.meta.get("val")
         multi = isinstance(val, (list, tuple))
         out_types = [value_type(v) for v in val] if multi else [value_type(val)]
-        op = self.program.add_call(target_name(node.target), tuple(args), out_types, role=role,
+        target = _target(node.target)
+        op = self.program.add_call(target, tuple(args), out_types, role=role,
                                    module=module, kwargs=dict(kwargs), forward_op=forward)
         if multi:
-            op.attrs["_multi"] = True   # the kernel returns a sequence, even of one element
-        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            op.attrs[MULTI] = True   # the kernel returns a sequence, even of one element
+        if op_info(target).random:
             # a random kernel's draws follow the memory layout of the tensor it fills, which
             # the IR's types do not keep: a rank replays the draw in the trace's layout
-            op.attrs[STRIDES_ATTR] = tuple(tuple(v.stride()) if isinstance(v, torch.Tensor)
+            op.attrs[STRIDES] = tuple(tuple(v.stride()) if isinstance(v, torch.Tensor)
                                            else None for v in (val if multi else [val]))
         seq = node.meta.get("seq_nr")
         if role in (Role.FORWARD, Role.LOSS) and isinstance(seq, int):

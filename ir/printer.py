@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .attrs import NAME, SLOTS, STATE
 from .core import Op, OpKind, Program, Value
 
 
@@ -52,27 +53,25 @@ def _format_result(v: Value, name: _Namer) -> str:
 
 def _format_op(op: Op, name: _Namer) -> str:
     if op.kind is OpKind.OUTPUT:
-        pairs = ", ".join(f"{s}={name(v)}" for s, v in zip(op.attrs["slots"], op.args))
+        pairs = ", ".join(f"{s}={name(v)}" for s, v in zip(op.attrs[SLOTS], op.args))
         return f"output {pairs}{_reshards(op, name)}"
     lhs = ", ".join(_format_result(v, name) for v in op.outputs)
     if op.kind is OpKind.INPUT:
-        return f"{lhs} = input {op.attrs['name']!r}"
+        return f"{lhs} = input {op.attrs[NAME]!r}"
     if op.kind is OpKind.STATE:
-        return f"{lhs} = state {op.attrs['state'].value} {op.attrs['name']!r}"
+        return f"{lhs} = state {op.attrs[STATE].value} {op.attrs[NAME]!r}"
     lhs = f"{lhs} = " if lhs else ""      # a send, an RNG restore: no results
     args = [_format_arg(a, name) for a in op.args]
     args += [f"{k}={_format_arg(v, name)}" for k, v in op.kwargs.items()]
-    shown_attrs = {k: v for k, v in op.attrs.items() if not k.startswith("_")}
+    shown_attrs = {k.name: v for k, v in op.attrs.items() if k.shown}
     attrs = f" {_format_arg(shown_attrs, name)}" if shown_attrs else ""
     text = f"{lhs}{_target_name(op.target)}({', '.join(args)}){attrs}"
     note = [op.module or "-", op.role.value]
     if op.forward_op is not None and op.forward_op.outputs:
         note.append(f"of {name(op.forward_op.outputs[0])}")
-    # pipelines: where the op runs (its stage, then its stages and phases)
-    if "_homes" in op.attrs:
-        note.append(f"@{op.attrs['_homes']}")
-    elif "_stage" in op.attrs:
-        note.append(f"@s{op.attrs['_stage']}")
+    replaced = {n for k in op.attrs for n in k.replaces}
+    note += [k.note(v) for k, v in op.attrs.items() if k.note is not None
+             and k.name not in replaced]     # e.g. where a pipeline runs the op
     return f"{text}  # {' '.join(note)}{_reshards(op, name, '; ')}"
 
 

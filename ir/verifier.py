@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .core import SLOT_KINDS, Op, OpKind, Program, Role, TensorType, Value
+from .core import Op, OpKind, Program, Role, TensorType, Value
+from .attrs import NAME, SLOT_KINDS, SLOTS, AttrError, check_attrs
 
 
 class VerificationError(ValueError):
@@ -37,7 +38,8 @@ def _check_roles(op: Op, defined: dict[Value, Op]) -> None:
 
 def verify(program: Program) -> None:
     """SSA (each value defined once, before its uses), one final output op with valid
-    slots, static shapes, and role ordering (forward never reads backward values)."""
+    slots, static shapes, role ordering (forward never reads backward values) and typed
+    op attributes (every key a declared ``Attr``, every value of its type)."""
     defined: dict[Value, Op] = {}
     names: set[str] = set()
     if not program.ops or program.ops[-1].kind is not OpKind.OUTPUT:
@@ -55,15 +57,19 @@ def verify(program: Program) -> None:
                 _fail(op, "result's producer link points elsewhere")
             defined[v] = op
         if op.kind in (OpKind.INPUT, OpKind.STATE):
-            key = f"{op.kind.value}:{op.attrs.get('name')}"
+            key = f"{op.kind.value}:{op.attrs.get(NAME)}"
             if key in names:
-                _fail(op, f"duplicate {op.kind.value} name {op.attrs.get('name')!r}")
+                _fail(op, f"duplicate {op.kind.value} name {op.attrs.get(NAME)!r}")
             names.add(key)
         _check_types(op)
         _check_roles(op, defined)
+        try:
+            check_attrs(op.attrs)
+        except AttrError as err:
+            _fail(op, str(err))
     out = program.output_op
-    if len(out.attrs.get("slots", ())) != len(out.args):
+    if len(out.attrs.get(SLOTS, ())) != len(out.args):
         _fail(out, "output slots and values differ in number")
-    for slot in out.attrs["slots"]:
+    for slot in out.attrs[SLOTS]:
         if slot.kind not in SLOT_KINDS:
             _fail(out, f"unknown result slot kind {slot.kind!r}")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from ..annotations import ANNOTATE_TARGET, decode
+from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.dist import (MICRO_BATCH_DIM, DistAttr, Partial, Placement, ProcessMesh, Replicate,
                        Shard, micro_batch_dim)
@@ -37,7 +37,9 @@ from ..pipeline.schedules import check_schedule_args
 from ..spmd import lookup
 from ..spmd.registry import tensor_inputs
 from .context import PassContext
-from .explain import Reason
+from ..ir.reason import Reason
+from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS
+from ..pipeline.phases import STAGE_HINT
 
 
 class AnnotationError(ValueError):
@@ -46,7 +48,7 @@ class AnnotationError(ValueError):
 
 def annotate(program: Program, ctx: PassContext) -> Program:
     traced = _lower_traced_annotations(program)
-    params = {op.attrs["name"]: op.result for op in program.states(StateKind.PARAM)}
+    params = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
     ctx.mesh = _settle_mesh(ctx, traced, program, params)
     if ctx.mesh is None:
         return program
@@ -54,7 +56,7 @@ def annotate(program: Program, ctx: PassContext) -> Program:
     if ctx.pipeline is not None:
         annotations = _to_logical(ctx, traced, annotations)
     for op in traced:
-        _pin(op.result, op.attrs["dist"], Reason("annotation", "shard_tensor in forward"))
+        _pin(op.result, op.attrs[DIST], Reason("annotation", "shard_tensor in forward"))
     for name, dist in annotations.items():
         if name in params:
             _pin(params[name], dist, Reason("annotation", f"shard_tensor on parameter {name!r}"))
@@ -91,7 +93,7 @@ def _lower_traced_annotations(program: Program) -> list[Op]:
     for op in program.ops:
         if op.kind is OpKind.CALL and op.target == ANNOTATE_TARGET:
             op.target = "autopar.annotate"
-            op.attrs["dist"] = _trivial_dims_replicated(decode(op.args[1]))
+            op.attrs[DIST] = _trivial_dims_replicated(decode(op.args[1]))
             op.args = op.args[:1]
             found.append(op)
     return found
@@ -100,7 +102,7 @@ def _lower_traced_annotations(program: Program) -> list[Op]:
 def _settle_mesh(ctx: PassContext, traced: list[Op], program: Program,
                  params: dict[str, Value]) -> ProcessMesh | None:
     meshes = [(f"shard_tensor on {n!r}", d.mesh) for n, d in ctx.param_annotations.items()]
-    meshes += [(f"shard_tensor in {op.module or 'forward'}", op.attrs["dist"].mesh)
+    meshes += [(f"shard_tensor in {op.module or 'forward'}", op.attrs[DIST].mesh)
                for op in traced]
     if ctx.pipeline is None and ctx.strategy.mesh is None and (
             ctx.strategy.pipeline is not None or len({m for _, m in meshes}) > 1):
@@ -133,7 +135,7 @@ def _stages_from_meshes(ctx: PassContext, traced: list[Op], program: Program,
     users = program.users()
     first: dict[ProcessMesh, int] = {}
     for op in traced:
-        first.setdefault(op.attrs["dist"].mesh, position[op])
+        first.setdefault(op.attrs[DIST].mesh, position[op])
     for name, dist in ctx.param_annotations.items():
         uses = [position[u] for u in users.get(params.get(name), ()) if u.role is Role.FORWARD]
         if uses:
@@ -167,10 +169,10 @@ def _to_logical(ctx: PassContext, traced: list[Op],
     strategy_mesh = ctx.strategy.process_mesh()
     moved = {}
     for op in traced:
-        op.attrs["dist"], hint = _translated(ctx, op.attrs["dist"], strategy_mesh,
+        op.attrs[DIST], hint = _translated(ctx, op.attrs[DIST], strategy_mesh,
                                              f"shard_tensor in {op.module or 'forward'}")
         if hint is not None:
-            op.attrs["_stage_hint"] = hint
+            op.attrs[STAGE_HINT] = hint
     for name, dist in annotations.items():
         moved[name], hint = _translated(ctx, dist, strategy_mesh, f"shard_tensor on {name!r}")
         if hint is not None:
@@ -409,7 +411,7 @@ def _annotate_activation(program: Program, value: Value, dist: DistAttr, axis: i
     readers = list(users.get(value, ()))
     note = Op(OpKind.CALL, "autopar.annotate", (value,), outputs=[Value(value.type)],
               role=Role.FORWARD, module=module,
-              attrs={"dist": dist, "mesh_dims": (axis,), "origin": "sequence_parallel"})
+              attrs={DIST: dist, PINNED_DIMS: (axis,), ORIGIN: "sequence_parallel"})
     program.insert_after(value.producer, note)
     pinned = note.result
     for op in readers:
@@ -435,6 +437,6 @@ def _apply_batch_sharding(program: Program, ctx: PassContext) -> None:
         return
     for op in program.ops_of(OpKind.INPUT):
         value = op.outputs[0]
-        if value.is_tensor and op.attrs["name"].startswith("batch/") and value.type.shape:
+        if value.is_tensor and op.attrs[NAME].startswith("batch/") and value.type.shape:
             if value.dist is None:
                 _pin(value, dist, Reason("data_parallel", "; ".join(why)))

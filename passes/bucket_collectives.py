@@ -26,7 +26,9 @@ from ..ir.core import OpaqueType
 from ..ir.dist import micro_batch_dim
 from ..reshard.steps import AllReduce
 from .context import PassContext
-from .split_stages import STAGE
+from ..ir.attrs import COMM_TEXT, MULTI
+from ..pipeline.phases import STAGE
+from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 
 HANDLE = OpaqueType("!comm.handle")
 MIB = 1 << 20
@@ -67,12 +69,12 @@ def _first_readers(program: Program, position: dict[Op, int]) -> dict[Value, int
 def _over_micro_batches(op: Op) -> bool:
     """Whether an all-reduce step is over a pipeline's micro-batch dim: accumulation over
     time on one rank, not a collective, so never bucketed."""
-    return op.attrs["_step"].mesh_dim == micro_batch_dim(op.args[0].dist.mesh)
+    return op.attrs[RESHARD_STEP].mesh_dim == micro_batch_dim(op.args[0].dist.mesh)
 
 
 def _is_all_reduce(op: Op) -> bool:
     """A single all-reduce over a mesh dim of processes."""
-    return (op.kind is OpKind.COMM and isinstance(op.attrs.get("_step"), AllReduce)
+    return (op.kind is OpKind.COMM and isinstance(op.attrs.get(RESHARD_STEP), AllReduce)
             and not _over_micro_batches(op))
 
 
@@ -80,7 +82,7 @@ def _computed_by(value: Value) -> Op | None:
     """The call that made ``value``, looking through its accumulation over micro-batches."""
     producer = value.producer
     while (producer is not None and producer.kind is OpKind.COMM
-           and isinstance(producer.attrs.get("_step"), AllReduce)
+           and isinstance(producer.attrs.get(RESHARD_STEP), AllReduce)
            and _over_micro_batches(producer)):
         producer = producer.args[0].producer
     return producer if producer is not None and producer.kind is OpKind.CALL else None
@@ -91,7 +93,7 @@ def _candidates(program: Program, position: dict[Op, int]) -> list[Op]:
     pipeline's micro-batches, if any), read by the optimizer (or clipping) only, in the
     order the backward produces the gradients."""
     found = [op for op in program.ops
-             if _is_all_reduce(op) and op.attrs.get("_for") == Role.OPTIMIZER.value
+             if _is_all_reduce(op) and op.attrs.get(FOR_ROLE) is Role.OPTIMIZER
              and (made := _computed_by(op.args[0])) is not None
              and made.role is Role.BACKWARD]
     return sorted(found, key=lambda op: position[op.args[0].producer])
@@ -126,7 +128,7 @@ class _Bucket:
 
 
 def _key(comm: Op) -> tuple:
-    step, v = comm.attrs["_step"], comm.args[0]
+    step, v = comm.attrs[RESHARD_STEP], comm.args[0]
     return step.mesh_dim, step.op, v.type.dtype, _stage_of(comm)
 
 
@@ -171,21 +173,21 @@ def _rewrite(ops: list[Op], buckets: list[_Bucket], position: dict[Op, int],
 
 def _pair(bucket: _Bucket, number: int) -> tuple[Op, Op]:
     comms = bucket.comms
-    step = comms[0].attrs["_step"]
+    step = comms[0].attrs[RESHARD_STEP]
     inputs = tuple(c.args[0] for c in comms)
     handle = Value(HANDLE)
-    what = "gradients" if comms[0].attrs["_for"] == Role.OPTIMIZER.value else "values"
+    what = "gradients" if comms[0].attrs[FOR_ROLE] is Role.OPTIMIZER else "values"
     text = f"bucket {number}: {len(comms)} {what}, {bucket.bytes / MIB:.2f} MiB, {step}"
     start = Op(OpKind.COMM, "comm.all_reduce_start", inputs, outputs=[handle],
                role=Role.COMM, module=comms[-1].module,
-               attrs={"step": text, "_steps": tuple(c.attrs["_step"] for c in comms),
-                      "_for": comms[0].attrs["_for"]})
+               attrs={COMM_TEXT: text, BUCKET_STEPS: tuple(c.attrs[RESHARD_STEP] for c in comms),
+                      FOR_ROLE: comms[0].attrs[FOR_ROLE]})
     start.needs = tuple(v.dist for v in inputs)
     handle.producer, handle.index = start, 0
     results = [c.outputs[0] for c in comms]
     wait = Op(OpKind.COMM, "comm.wait", (handle,), outputs=results, role=Role.COMM,
-              module=comms[0].module, attrs={"step": f"bucket {number}", "_multi": True,
-                                             "_for": comms[0].attrs["_for"]})
+              module=comms[0].module, attrs={COMM_TEXT: f"bucket {number}", MULTI: True,
+                                             FOR_ROLE: comms[0].attrs[FOR_ROLE]})
     for index, v in enumerate(results):
         v.producer, v.index = wait, index
     return start, wait

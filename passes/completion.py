@@ -19,7 +19,8 @@ from ..spmd import lookup
 from ..spmd.einsum import Decision, MeshDimChoice, Option
 from ..spmd.registry import describe, tensor_inputs
 from .context import PassContext
-from .explain import Reason
+from ..ir.reason import Reason
+from ..ir.attrs import NAME
 
 
 def _signature(a):
@@ -190,7 +191,7 @@ class _Completion:
         """The loss and model outputs are wanted whole on every rank; updated state goes back
         where the state lives; gradients stay as computed."""
         out = self.program.output_op
-        states = {op.attrs["name"]: op.result for op in self.program.ops_of(OpKind.STATE)}
+        states = {op.attrs[NAME]: op.result for op in self.program.ops_of(OpKind.STATE)}
         needs = []
         for slot, v in self.program.results():
             if not v.is_tensor:

@@ -3,18 +3,9 @@ and never uses). Ops that mutate their inputs or draw random numbers stay: dropp
 would change state or the random stream."""
 from __future__ import annotations
 
-import torch
-
 from ..ir import OpKind, Program
+from ..ir.ops import op_info
 from .context import PassContext
-
-
-def _has_effects(target: str) -> bool:
-    if not target.startswith("aten."):
-        return True
-    from ..runtime.kernels import resolve
-    op = resolve(target)
-    return op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
 
 
 def dead_code(program: Program, ctx: PassContext) -> Program:
@@ -22,7 +13,7 @@ def dead_code(program: Program, ctx: PassContext) -> Program:
     kept = []
     for op in reversed(program.ops):
         live = op.kind is OpKind.OUTPUT or any(v in used for v in op.outputs)
-        if live or (op.kind is OpKind.CALL and _has_effects(op.target)) or op.kind is OpKind.INPUT:
+        if live or (op.kind is OpKind.CALL and op_info(op.target).effectful) or op.kind is OpKind.INPUT:
             kept.append(op)
             used.update(op.inputs)
     program.ops = kept[::-1]

@@ -6,36 +6,32 @@ Reasons name values by the printer's names, so an explanation reads next to the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..ir import Op, OpKind, Program, Role, Value
+from ..ir import OpKind, Program, Role, Value
 from ..ir.dist import MICRO_BATCH_DIM, local_shape
 from ..ir.printer import value_names
+from ..ir.reason import MeshDimChoice, Reason
 from ..spmd import lookup
 from ..spmd.cost import collective, reshard_bytes
-from ..spmd.einsum import MeshDimChoice
+from ..ir.attrs import NAME
+from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, FOR_TARGET, RESHARD_STEP
 
 
-@dataclass(frozen=True)
-class Reason:
-    kind: str            # annotation | plan | data_parallel | rule | consumer | default | no_rule
-    text: str
-    op: Op | None = None                             # the op whose rule or need decided
-    sources: tuple[Value, ...] = ()                  # values this choice was made from
-    choices: tuple[MeshDimChoice, ...] = field(default=())
-
-    def describe(self, names: dict[Value, str], mesh_dims: tuple[str, ...]) -> str:
-        text = self.text
-        rule = lookup(self.op) if self.kind == "rule" and self.op is not None else None
-        if hasattr(rule, "spec"):   # name the letters the choices below refer to
-            text += f" [{rule.spec(self.op)}]"
-        if self.sources:
-            text += " from " + ", ".join(f"{names.get(v, '?')} {_placements(v)}"
-                                         for v in self.sources)
-        contested = [c for c in self.choices if c.alternatives]
-        if contested:
-            text += "; " + "; ".join(_choice(c, mesh_dims) for c in contested)
-        return text
+def describe_reason(why: Reason, names: dict[Value, str], mesh_dims: tuple[str, ...]) -> str:
+    """One line: the reason's sentence, the rule's spec (for a rule's choice), the values it
+    was made from and, per contested mesh dim, what was chosen over what at which price."""
+    text = why.text
+    rule = lookup(why.op) if why.kind == "rule" and why.op is not None else None
+    if hasattr(rule, "spec"):   # name the letters the choices below refer to
+        text += f" [{rule.spec(why.op)}]"
+    if why.sources:
+        text += " from " + ", ".join(f"{names.get(v, '?')} {_placements(v)}"
+                                     for v in why.sources)
+    contested = [c for c in why.choices if c.alternatives]
+    if contested:
+        text += "; " + "; ".join(_choice(c, mesh_dims) for c in contested)
+    return text
 
 
 def _placements(v: Value) -> str:
@@ -71,7 +67,7 @@ def format_explanations(program: Program) -> str:
     for op in program.ops:
         for v in op.outputs:
             if v.why is not None:
-                lines.append(f"{names[v]} {_placements(v)}: {v.why.describe(names, dims)}")
+                lines.append(f"{names[v]} {_placements(v)}: {describe_reason(v.why, names, dims)}")
     return "\n".join(lines) + "\n"
 
 
@@ -90,7 +86,7 @@ def explain_value(program: Program, what: str, depth: int = 64) -> str:
         if v in seen or level > depth:
             return
         seen.add(v)
-        why = v.why.describe(names, dims) if v.why is not None else "not placed"
+        why = describe_reason(v.why, names, dims) if v.why is not None else "not placed"
         lines.append(f"{'  ' * level}{names[v]} {_placements(v)} = {_where(v)}: {why}")
         for source in (v.why.sources if v.why is not None else ()):
             if source.dist is not None and not source.dist.is_replicated:
@@ -103,7 +99,7 @@ def explain_value(program: Program, what: str, depth: int = 64) -> str:
 def _where(v: Value) -> str:
     op = v.producer
     if op.kind in (OpKind.INPUT, OpKind.STATE):
-        return f"{op.kind.value} {op.attrs['name']!r}"
+        return f"{op.kind.value} {op.attrs[NAME]!r}"
     return f"{op.target.removesuffix('.default')} ({op.module or '-'} {op.role.value})"
 
 
@@ -116,10 +112,10 @@ def _find(program: Program, names: dict[Value, str], what: str) -> Value:
             return v
     states = {}
     for op in program.ops:
-        if op.kind in (OpKind.INPUT, OpKind.STATE) and op.attrs.get("name") == what:
+        if op.kind in (OpKind.INPUT, OpKind.STATE) and op.attrs.get(NAME) == what:
             return op.outputs[0]
         if op.kind is OpKind.STATE:
-            states[op.outputs[0]] = op.attrs["name"]
+            states[op.outputs[0]] = op.attrs[NAME]
         # once the optimizer consumes a gradient it is no result: find it as the update's input
         if op.role is Role.OPTIMIZER and op.kind is OpKind.CALL and op.args \
                 and what == f"grad[{states.get(op.args[0])}]":
@@ -150,10 +146,10 @@ def planned_moves(program: Program) -> list[Move]:
     for op in program.ops:
         if op.kind is OpKind.COMM:
             # a bucket's start carries one step per gradient; its wait moves nothing
-            steps = op.attrs.get("_steps") or ((op.attrs["_step"],) if "_step" in op.attrs else ())
+            steps = op.attrs.get(BUCKET_STEPS) or ((op.attrs[RESHARD_STEP],) if RESHARD_STEP in op.attrs else ())
             for step, v in zip(steps, op.args):
-                moves.append(Move(op.attrs["_for"], op.module,
-                                  op.attrs.get("_for_op", "optimizer"), v, step.axis,
+                moves.append(Move(op.attrs[FOR_ROLE].value, op.module,
+                                  op.attrs.get(FOR_TARGET, "optimizer"), v, step.axis,
                                   step.kind, step.cost(v.type.shape, v.dist.mesh,
                                                        v.dist.placements,
                                                        v.type.dtype.itemsize)))

@@ -15,7 +15,9 @@ from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.dist import micro_batch_dim
 from ..reshard.steps import AllReduce
 from .context import PassContext
-from .split_stages import STAGE
+from ..ir.attrs import LOCAL_NOTE
+from ..pipeline.phases import STAGE
+from ..reshard.comm import RESHARD_STEP
 
 
 def join_gradients(program: Program, ctx: PassContext) -> Program:
@@ -35,7 +37,7 @@ def join_gradients(program: Program, ctx: PassContext) -> Program:
 
 
 def _sums_over(op: Op, mb: int) -> bool:
-    step = op.attrs.get("_step")
+    step = op.attrs.get(RESHARD_STEP)
     return (op.kind is OpKind.COMM and isinstance(step, AllReduce) and step.mesh_dim == mb
             and step.op == "sum")
 
@@ -59,7 +61,7 @@ def _accumulate_then_join(program: Program, total: Op, add: Op) -> None:
         terms.append(term)
     joined = Op(OpKind.CALL, add.target, tuple(t.result for t in terms),
                 outputs=[total.result], role=Role.OPTIMIZER, module=add.module,
-                attrs={"local_note": "a gradient of two stages: each stage's term summed "
+                attrs={LOCAL_NOTE: "a gradient of two stages: each stage's term summed "
                                      "over micro-batches, then joined once"})
     joined.needs = tuple(t.result.dist for t in terms)
     total.result.producer, total.result.index = joined, 0

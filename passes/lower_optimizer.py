@@ -15,6 +15,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from ..ir import OpaqueType, Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value
 from .context import PassContext
+from ..ir.attrs import NAME, STATE
 
 
 def _zeros(param: torch.Tensor, group: dict) -> torch.Tensor:
@@ -82,11 +83,11 @@ def lower_optimizer(program: Program, ctx: PassContext) -> Program:
         return program
     rule = rule_for(optimizer)
     grads = {slot.name: v for slot, v in program.results() if slot.kind == "grad"}
-    params = {op.attrs["name"]: op.result for op in program.states(StateKind.PARAM)}
+    params = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
     results = [(s, v) for s, v in program.results() if s.kind != "grad"]
     for index, group in enumerate(optimizer.param_groups):
         hparams = program.add(Op(OpKind.INPUT, "input", outputs=[Value(OpaqueType("hparams"))],
-                                 role=Role.OPTIMIZER, attrs={"name": f"param_groups/{index}"}))
+                                 role=Role.OPTIMIZER, attrs={NAME: f"param_groups/{index}"}))
         # torch skips parameters without a gradient
         names = [n for n in (ctx.name_of(p) for p in group["params"]) if n in grads]
         tensors = {ctx.name_of(p): p for p in group["params"]}
@@ -104,7 +105,7 @@ def _declare_states(program: Program, name: str, param: Value, state: dict) -> d
     declared = {}
     for key, tensor in state.items():
         op = Op(OpKind.STATE, "state", outputs=[Value(_state_type(param, tensor))],
-                role=Role.OPTIMIZER, attrs={"state": StateKind.OPTIM, "name": f"{name}/{key}"})
+                role=Role.OPTIMIZER, attrs={STATE: StateKind.OPTIM, NAME: f"{name}/{key}"})
         declared[key] = program.add(op).result
     return declared
 

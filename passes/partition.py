@@ -9,7 +9,7 @@ global one with two changes and no new ops:
   shape arguments, global means, sharded embeddings, random slices... are rewritten to
   act on local pieces. The op keeps its input and output Values.
 
-COMM ops keep their reshard step (``op.attrs["_step"]``): a runtime (the in-process
+COMM ops keep their reshard step (``op.attrs[RESHARD_STEP]``): a runtime (the in-process
 simulator, later c10d) executes it as a collective across the ranks of its group.
 Ranks' programs have the same ops in the same order, so collectives line up.
 
@@ -24,6 +24,7 @@ from typing import Sequence
 from ..ir.core import OpKind, Program, TensorType
 from ..ir.dist import ProcessMesh, local_shape
 from ..spmd.local_forms import LocalContext, local_call
+from ..ir.attrs import LOCAL_NOTE
 
 __all__ = ["partition", "program_mesh"]
 
@@ -54,7 +55,7 @@ def partition(program: Program, coordinate: Sequence[int]) -> Program:
         if call.target != op.target or call.args is not op.args or call.kwargs != op.kwargs:
             op.target, op.args, op.kwargs = call.target, tuple(call.args), dict(call.kwargs)
             if call.note:
-                op.attrs["local_note"] = call.note
+                op.attrs[LOCAL_NOTE] = call.note
     # 2. localize the types
     for op in local.ops:
         for v in op.outputs:

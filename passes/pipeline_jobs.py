@@ -1,5 +1,5 @@
 """Pipeline jobs: where (which stage) and when (which phase) every op of the planned program
-runs, as ``op.attrs["_homes"]``; the runtime cuts each rank's jobs out of these.
+runs, as ``op.attrs[HOMES]``; the runtime cuts each rank's jobs out of these.
 
 What varies per micro-batch is read off the data flow: everything computed from the batch
 inputs, up to the reductions over the ``mb`` mesh dim (``comm.all_reduce`` /
@@ -32,7 +32,9 @@ from ..pipeline.phases import BOUNDARY, HOMES, Home, Homes, Phase
 from ..pipeline.schedules import splits_backward
 from ..reshard.steps import AllGather, AllReduce, MakePartial, Slice
 from .context import PassContext
-from .split_stages import STAGE
+from ..ir.attrs import COMM_TEXT, NAME, SLOTS, STATE
+from ..pipeline.phases import STAGE
+from ..reshard.comm import BUCKET_STEPS, FOR_TARGET, RESHARD_STEP
 
 
 class PipelineError(ValueError):
@@ -75,14 +77,14 @@ class _Jobs:
 
     # -- what varies per micro-batch ---------------------------------------------------------
     def _mb_step(self, op: Op):
-        step = op.attrs.get("_step")
+        step = op.attrs.get(RESHARD_STEP)
         return step if step is not None and step.mesh_dim == self.mb else None
 
     def _mark_boundaries(self) -> None:
         for op in self.program.ops:
             if op.kind is not OpKind.COMM:
                 continue
-            steps = op.attrs.get("_steps") or (op.attrs.get("_step"),)
+            steps = op.attrs.get(BUCKET_STEPS) or (op.attrs.get(RESHARD_STEP),)
             if any(s is not None and s.mesh_dim == self.mb for s in steps) and len(steps) > 1:
                 raise PipelineError(f"{op.target} ({op.module or '-'}) bundles a reduction "
                                     "over micro-batches with other collectives")
@@ -91,8 +93,8 @@ class _Jobs:
                 continue      # a micro-batch's own slice or term: local to its job
             if not isinstance(step, (AllReduce, AllGather)):
                 raise PipelineError(
-                    f"{op.attrs.get('step', op.target)} ({op.module or '-'}, for "
-                    f"{op.attrs.get('_for_op', '?')}) moves data between micro-batches; a "
+                    f"{op.attrs.get(COMM_TEXT, op.target)} ({op.module or '-'}, for "
+                    f"{op.attrs.get(FOR_TARGET, '?')}) moves data between micro-batches; a "
                     "pipeline can only sum or gather a value over every micro-batch")
             op.attrs[BOUNDARY] = step
 
@@ -104,7 +106,7 @@ class _Jobs:
     def _mark_per_micro_batch(self) -> None:
         for op in self.program.ops:
             if op.kind is OpKind.INPUT:
-                batch = op.attrs["name"].startswith("batch/")
+                batch = op.attrs[NAME].startswith("batch/")
                 if batch and (not self.many or self._varies(op.result)):
                     self.per_mb.add(op.result)
             elif op.kind in (OpKind.CALL, OpKind.COMM) and op.role is not Role.OPTIMIZER \
@@ -205,7 +207,7 @@ class _Jobs:
         if user.kind is not OpKind.OUTPUT:
             return self.where[user]
         stages: set[int] = set()
-        for slot, v in zip(user.attrs["slots"], user.args):
+        for slot, v in zip(user.attrs[SLOTS], user.args):
             if v is value:
                 stages |= (self.where[self._state(slot.name)] if slot.kind == "update"
                            else everywhere)
@@ -213,7 +215,7 @@ class _Jobs:
 
     def _state(self, name: str) -> Op:
         return next(op for op in self.program.ops
-                    if op.kind is OpKind.STATE and op.attrs["name"] == name)
+                    if op.kind is OpKind.STATE and op.attrs[NAME] == name)
 
     # -- phases -----------------------------------------------------------------------------
     def _step_phases(self) -> None:
@@ -258,10 +260,10 @@ class _Jobs:
             if v not in self.per_mb or op.kind is OpKind.INPUT or op in cone:
                 continue
             cone.add(op)
-            if any(u.producer.kind is OpKind.STATE and u.producer.attrs["state"] is StateKind.PARAM
+            if any(u.producer.kind is OpKind.STATE and u.producer.attrs[STATE] is StateKind.PARAM
                    for u in op.inputs):
                 raise PipelineError(
-                    f"{_describe(op)} feeds {boundary.attrs['step']}: the micro-batches need "
+                    f"{_describe(op)} feeds {boundary.attrs[COMM_TEXT]}: the micro-batches need "
                     "a value of the whole batch while the pipeline runs (a statistic of the "
                     "whole batch, like BatchNorm's, or an op that cannot work on a "
                     "micro-batch's rows), which micro-batching cannot give; use "
@@ -313,7 +315,7 @@ class _Jobs:
                for source in sources):
             return
         if BOUNDARY in op.attrs:
-            raise PipelineError(f"pipeline: {op.attrs['step']} on stage {stage} would sum "
+            raise PipelineError(f"pipeline: {op.attrs[COMM_TEXT]} on stage {stage} would sum "
                                 f"micro-batch terms made on another stage ({_describe(op)})")
         src = ", ".join(f"stage {s} {p}" for s, p in op_homes)
         raise PipelineError(

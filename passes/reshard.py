@@ -17,7 +17,9 @@ from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.dist import DistAttr
 from ..reshard import plan_reshard
 from .context import PassContext
-from .explain import Reason
+from ..ir.reason import Reason
+from ..ir.attrs import COMM_TEXT
+from ..reshard.comm import FOR_ROLE, FOR_TARGET, RESHARD_STEP
 
 
 def reshard(program: Program, ctx: PassContext) -> Program:
@@ -67,9 +69,9 @@ def _move(comms: list[Op], consumer: Op, value: Value, need: DistAttr, steps: li
         before, placements = placements, step.advance(placements)
         comm = Op(OpKind.COMM, f"comm.{step.kind}", (current,), outputs=[Value(value.type)],
                   role=Role.COMM, module=consumer.module,
-                  attrs={"step": f"{step}: {_text(before)} -> {_text(placements)}",
-                         "_step": step, "_for": consumer.role.value,
-                         "_for_op": consumer.target})
+                  attrs={COMM_TEXT: f"{step}: {_text(before)} -> {_text(placements)}",
+                         RESHARD_STEP: step, FOR_ROLE: consumer.role,
+                         FOR_TARGET: consumer.target})
         out = comm.outputs[0]
         out.dist = DistAttr(need.mesh, placements)
         out.why = Reason("reshard", f"{step}: {_text(before)} -> {_text(placements)} for "

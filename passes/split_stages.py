@@ -1,5 +1,5 @@
 """Split the program into pipeline stages: which stage computes each forward, loss and
-backward op (``op.attrs["_stage"]``).
+backward op (``op.attrs[STAGE]``).
 
 The forward is cut, in program order, at the op where each stage begins:
 
@@ -20,9 +20,10 @@ import re
 
 from ..ir import Op, OpKind, Program, Role
 from ..pipeline.cost import op_flops
+from ..pipeline.phases import STAGE, STAGE_HINT
 from .context import PassContext
+from ..ir.attrs import NAME
 
-STAGE = "_stage"
 _LAYER = re.compile(r"^(.*\.)?\d+$")
 
 
@@ -111,11 +112,11 @@ def _starts_from_meshes(forward: list[Op], ctx: PassContext) -> list[int]:
     ties only its own module), or an annotation on it. Stages come in the forward's order."""
     hints: list[tuple[int, int, Op]] = []
     for i, op in enumerate(forward):
-        hint = op.attrs.get("_stage_hint")
+        hint = op.attrs.get(STAGE_HINT)
         if hint is None:
             hint = next((ctx.param_stages[name] for v in op.inputs
                          if v.producer is not None and v.producer.kind is OpKind.STATE
-                         and (name := v.producer.attrs["name"]) in ctx.param_stages
+                         and (name := v.producer.attrs[NAME]) in ctx.param_stages
                          and _inside(op, name.rpartition(".")[0])), None)
         if hint is not None:
             hints.append((i, hint, op))

@@ -33,11 +33,12 @@ communication. A 0-d or dtype-changing (``half_to_float``, CUDA only) log-softma
 """
 from __future__ import annotations
 
-from ..annotations import ANNOTATE_TARGET, decode
+from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir import Op, OpKind, Program, TensorType, Value
 from ..ir.dist import DistAttr
 from ..spmd.registry import tensor_inputs
 from .context import PassContext
+from ..ir.attrs import DECOMPOSES
 
 _FORWARD = "aten._log_softmax.default"          # (self, dim, half_to_float)
 _BACKWARD = "aten._log_softmax_backward_data.default"   # (grad, output, dim, input_dtype)
@@ -104,7 +105,7 @@ class _Builder:
         out = result if result is not None else Value(type_)
         new = Op(OpKind.CALL, _A + name, args, {}, [out], self.op.role,
                  self.op.module, self.op.forward_op,
-                 {"decomposes": self.op.target.removeprefix(_A).removesuffix(".default")})
+                 {DECOMPOSES: self.op.target.removeprefix(_A).removesuffix(".default")})
         out.producer, out.index = new, 0
         self.ops.append(new)
         return out

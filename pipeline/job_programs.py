@@ -17,13 +17,16 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..ir import Op, OpKind, OpaqueType, Program, Role, Slot, Value, verify
+from ..ir.ops import draws_random
 from ..ir.dist import micro_batch_dim
 from ..reshard.steps import MakePartial, Slice
-from ..spmd.local_forms.registry import draws_random
-from .jobs import JobId, PipelinePlan, RankPlan
+from .jobs import MESSAGE, JobId, PipelinePlan, RankPlan
 from .phases import Phase
+from ..ir.attrs import COMM_TEXT, NAME, SLOTS, Attr
+from ..reshard.comm import RESHARD_STEP
 
 RNG_STATE = OpaqueType("!rng.state")
+GLOBAL_OP: Attr[Op] = Attr("global_op", Op, "a job's comm op: the global op it was cut from")
 
 
 def local_keys(program: Program, local: Program, names: dict[Value, str]) -> dict[Value, str]:
@@ -81,15 +84,15 @@ class _JobBuilder:
     def _carried(self, key: str) -> None:
         v = self.local_by_key[key]
         op = Op(OpKind.INPUT, "input", outputs=[Value(v.type)], role=Role.COMM,
-                attrs={"name": key})
+                attrs={NAME: key})
         self._made(self.out.add(op).result, v, key)
         self._send(key, op.result)
 
     def _receive(self, message) -> None:
         v = self.local_by_key[message.key]
         op = Op(OpKind.COMM, "comm.recv", (), outputs=[Value(v.type)], role=Role.COMM,
-                attrs={"step": f"{message.key}{_mb(message)} from rank {message.src} "
-                               f"({message.src_job})", "_message": message})
+                attrs={COMM_TEXT: f"{message.key}{_mb(message)} from rank {message.src} "
+                               f"({message.src_job})", MESSAGE: message})
         self._made(self.out.add(op).result, v, message.key)
 
     def _made(self, new: Value, old: Value, key: str) -> None:
@@ -105,9 +108,9 @@ class _JobBuilder:
         local_step = self._micro_batch_step(op)
         if local_step is not None:
             kind, (target, args, kwargs) = OpKind.CALL, local_step
-            attrs = {"local_note": attrs.get("step", "")}
+            attrs = {"local_note": attrs.get(COMM_TEXT, "")}
         if kind is OpKind.COMM:
-            attrs["_global"] = global_op    # collectives are bound from the global op's types
+            attrs[GLOBAL_OP] = global_op    # collectives are bound from the global op's types
         new = Op(kind, target, args, dict(kwargs), [Value(v.type) for v in op.outputs],
                  op.role, op.module, None, attrs)
         new.needs = op.needs
@@ -127,7 +130,7 @@ class _JobBuilder:
 
     def _micro_batch_step(self, op: Op):
         """A step over ``mb`` that moves no data, as this micro-batch's local call."""
-        step = op.attrs.get("_step") if op.kind is OpKind.COMM else None
+        step = op.attrs.get(RESHARD_STEP) if op.kind is OpKind.COMM else None
         if step is None or step.mesh_dim != self.mb:
             return None
         k, m = self.job.micro_batch, self.plan.layout.micro_batches
@@ -136,22 +139,22 @@ class _JobBuilder:
                                                   step.groups), {}
         if isinstance(step, MakePartial):
             return "autopar.micro_batch_term", (op.args[0], step.op, k), {}
-        raise ValueError(f"{op.attrs.get('step', op.target)} in job {self.job}: a reduction "
+        raise ValueError(f"{op.attrs.get(COMM_TEXT, op.target)} in job {self.job}: a reduction "
                          "over micro-batches runs between jobs, not in one")
 
     def _restore_rng(self, global_op: Op) -> None:
         """Set the generator to the state eager has at this random op (``RngTable``)."""
         key = self.plan.names[global_op.outputs[0]]
         state = self.out.add(Op(OpKind.INPUT, "input", outputs=[Value(RNG_STATE)],
-                                role=Role.COMM, attrs={"name": f"rng/{key}"})).result
+                                role=Role.COMM, attrs={NAME: f"rng/{key}"})).result
         self.out.add(Op(OpKind.CALL, "autopar.set_rng_state", (state,), outputs=[],
                         role=global_op.role, module=global_op.module))
 
     def _send(self, key: str, value: Value) -> None:
         for message in self.sends.pop(key, ()):
             self.out.add(Op(OpKind.COMM, "comm.send", (value,), outputs=[], role=Role.COMM,
-                            attrs={"step": f"{message.key}{_mb(message)} to rank {message.dst} "
-                                           f"({message.dst_job})", "_message": message}))
+                            attrs={COMM_TEXT: f"{message.key}{_mb(message)} to rank {message.dst} "
+                                           f"({message.dst_job})", MESSAGE: message}))
 
     # -- what leaves the job ---------------------------------------------------------------
     def _finish(self) -> None:
@@ -167,7 +170,7 @@ class _JobBuilder:
         if self.job.phase is Phase.POST:
             results += [(slot, self.by_key[key]) for slot, key in self.rank.results]
         self.out.add(Op(OpKind.OUTPUT, "output", tuple(v for _, v in results),
-                        attrs={"slots": [s for s, _ in results]}))
+                        attrs={SLOTS: tuple(s for s, _ in results)}))
 
 
 def _mb(message) -> str:

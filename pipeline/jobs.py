@@ -29,6 +29,7 @@ from ..ir.printer import value_names
 from .layout import PipelineLayout
 from .phases import BOUNDARY, Phase, homes_of
 from .schedules import Job
+from ..ir.attrs import NAME, Attr
 
 STEP = -1     # the micro-batch index of a once-a-step value or job
 
@@ -60,6 +61,9 @@ class Message:
     def __str__(self) -> str:
         mb = "" if self.micro_batch == STEP else f" mb{self.micro_batch}"
         return f"{self.key}{mb}: rank {self.src} {self.src_job} -> rank {self.dst} {self.dst_job}"
+
+
+MESSAGE: Attr[Message] = Attr("message", Message, "the message a send or receive op moves")
 
 
 @dataclass
@@ -250,7 +254,7 @@ class _Planner:
         """The program results this rank returns: the updates of the state it holds, the loss
         and the model's outputs (every rank reports them)."""
         mine = set(plan.stages)
-        states = {op.attrs["name"]: op for op in self.program.ops if op.kind is OpKind.STATE}
+        states = {op.attrs[NAME]: op for op in self.program.ops if op.kind is OpKind.STATE}
         out = []
         for slot, v in self.program.results():
             if slot.kind == "update":

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import enum
 
+from ..ir.attrs import Attr
+from ..reshard.steps import Step
+
 
 class Phase(str, enum.Enum):
     PRE_MB = "pre_mb"
@@ -39,9 +42,6 @@ class Phase(str, enum.Enum):
 _ORDER = {p: i for i, p in enumerate(Phase)}
 
 Home = tuple[int, Phase]
-HOMES = "_homes"        # op attribute: an op's Homes
-BOUNDARY = "_boundary"  # op attribute: a sum or gather over micro-batches (its step), which
-                        # the runtime runs between jobs
 
 
 class Homes(tuple):
@@ -62,8 +62,19 @@ class Homes(tuple):
                         for stages, phases in by_stages.items())
 
 
+# -- the op attributes of a pipelined program ------------------------------------------------
+STAGE: Attr[int] = Attr("stage", int, "the pipeline stage an op runs on (split_stages)",
+                        note=lambda stage: f"@s{stage}")
+STAGE_HINT: Attr[int] = Attr("stage_hint", int, "the stage whose mesh a traced annotation "
+                             "was made on (annotate_mesh)")
+HOMES: Attr[Homes] = Attr("homes", Homes, "every (stage, phase) an op runs in "
+                          "(assign_phases)", note=lambda h: f"@{h}", replaces=("stage",))
+BOUNDARY: Attr[Step] = Attr("boundary", Step, "a sum or gather over micro-batches (its "
+                            "step), which runs between jobs")
+
+
 def homes_of(op) -> Homes:
     return op.attrs.get(HOMES, Homes(()))
 
 
-__all__ = ["Phase", "Home", "HOMES", "BOUNDARY", "Homes", "homes_of"]
+__all__ = ["Phase", "Home", "Homes", "homes_of", "STAGE", "STAGE_HINT", "HOMES", "BOUNDARY"]

@@ -12,7 +12,8 @@ from typing import Any, Callable
 import torch
 
 from ..ir import Op, OpKind, Program, Value
-from .kernels import BATCHED, resolve
+from ..ir.ops import op_info, resolve
+from ..ir.attrs import MULTI, NAME
 
 
 class _Emitter:
@@ -24,7 +25,7 @@ class _Emitter:
         key = target + ("[batched]" if batched else "")
         if key not in self.kernel_names:
             name = "k_" + "".join(c if c.isalnum() else "_" for c in key)
-            fn = BATCHED[target][0] if batched else resolve(target)
+            fn = op_info(target).batched.kernel if batched else resolve(target)
             # an OpOverload's __call__ only forwards to its C++ builtin: call that directly
             self.globals[name] = getattr(fn, "_op", fn)
             self.kernel_names[key] = name
@@ -72,14 +73,14 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
         if comm is None or op not in comm:
             raise ValueError(f"codegen: {op.target} ({op.module or 'top level'}) has no bound "
                              "collective; a rank program needs its process groups")
-        if op.attrs.get("_multi"):
+        if op.attrs.get(MULTI):
             lhs += ","
         call = f"{em.constant(comm[op])}({', '.join(names[v] for v in op.args)})"
         return f"{lhs} = {call}" if op.outputs else call
     if op.kind is OpKind.INPUT:
-        return f"{lhs} = feeds[{op.attrs['name']!r}]"
+        return f"{lhs} = feeds[{op.attrs[NAME]!r}]"
     if op.kind is OpKind.STATE:
-        return f"{lhs} = state[{op.attrs['name']!r}]"
+        return f"{lhs} = state[{op.attrs[NAME]!r}]"
     if op.kind is OpKind.OUTPUT:
         return "return (" + "".join(names[v] + ", " for v in op.args) + ")"
     args = [em.literal(a, names) for a in op.args]
@@ -87,7 +88,7 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
     call = f"{em.kernel(op.target)}({', '.join(args)})"
     if not op.outputs:
         return call
-    if op.attrs.get("_multi") and len(op.outputs) == 1:
+    if op.attrs.get(MULTI) and len(op.outputs) == 1:
         lhs += ","
     return f"{lhs} = {call}"
 
@@ -95,9 +96,9 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
 def _batch_run(ops: list[Op], start: int) -> int:
     """End index of the run of ops from ``start`` that one batched kernel call can take."""
     first = ops[start]
-    if first.kind is not OpKind.CALL or first.target not in BATCHED or first.kwargs:
+    if first.kind is not OpKind.CALL or first.kwargs or op_info(first.target).batched is None:
         return start + 1
-    shared = BATCHED[first.target][1]
+    shared = op_info(first.target).batched.shared
     produced: set[Value] = set()
     end = start
     while end < len(ops):
@@ -113,7 +114,7 @@ def _batch_run(ops: list[Op], start: int) -> int:
 
 
 def _emit_batched(run: list[Op], em: _Emitter, names: dict[Value, str]) -> str:
-    shared = BATCHED[run[0].target][1]
+    shared = op_info(run[0].target).batched.shared
     args = []
     for i, a in enumerate(run[0].args):
         column = [op.args[i] for op in run]

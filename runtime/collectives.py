@@ -26,6 +26,7 @@ from ..ir.dist import (ProcessMesh, cat_grouped, chunk_grouped, local_offset, lo
 from ..reshard.steps import (AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter,
                              Slice, Step)
 from .process_groups import MeshAxisGroup, MeshGroups
+from ..reshard.comm import BUCKET_STEPS, RESHARD_STEP
 
 __all__ = ["bind_comm", "Collective"]
 
@@ -50,13 +51,13 @@ def bind_comm(op: Op, groups: MeshGroups) -> Callable:
     if op.target == "comm.wait":
         return wait_bucket
     value = op.args[0]
-    return bind_step(op.attrs["_step"], value.type.shape, value.dist.placements, groups)
+    return bind_step(op.attrs[RESHARD_STEP], value.type.shape, value.dist.placements, groups)
 
 
 def _bucket_start(op: Op, groups: MeshGroups) -> Callable:
     """Start one asynchronous all-reduce over a bucket of gradients (flattened into one
     buffer); ``wait_bucket`` ends it and hands back views of the reduced buffer."""
-    steps = op.attrs["_steps"]
+    steps = op.attrs[BUCKET_STEPS]
     mesh_dim, reduce = steps[0].mesh_dim, steps[0].op
     if any(s.mesh_dim != mesh_dim or s.op != reduce for s in steps):
         raise ValueError(f"{op.target}: a bucket mixes mesh dims or reduce ops: {steps}")

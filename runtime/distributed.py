@@ -22,6 +22,7 @@ from ..reshard import plan_reshard
 from .collectives import Collective, bind_comm, bind_step
 from .executor import Executor, has_random_ops
 from .process_groups import MeshGroups
+from ..ir.attrs import CONST, NAME, STATE
 
 __all__ = ["RankPieces", "rank_executor", "gather_full", "initial_piece"]
 
@@ -43,7 +44,7 @@ def input_cutter(program: Program, groups: MeshGroups) -> Callable[[dict], dict]
     for op in program.ops_of(OpKind.INPUT):
         v = op.result
         if v.is_tensor and v.dist is not None and not v.dist.is_replicated:
-            cuts[op.attrs["name"]] = local_slices(v.type.shape, groups.mesh,
+            cuts[op.attrs[NAME]] = local_slices(v.type.shape, groups.mesh,
                                                   v.dist.placements, groups.coordinate)
 
     def cut(feeds: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +71,7 @@ class RankPieces:
         holds the engine's full tensors; ``make_full(name)`` makes a missing one (fresh
         optimizer state; it raises KeyError for a name it does not know)."""
         for op in program.ops_of(OpKind.STATE):
-            name, value = op.attrs["name"], op.result
+            name, value = op.attrs[NAME], op.result
             if not value.is_tensor:
                 continue
             if name in self.dists:
@@ -103,9 +104,9 @@ def initial_piece(op: Op, full: Mapping[str, Any],
     """The piece of state ``op``'s starting value a process at ``coordinate`` holds: cut
     from the engine's full tensor, from ``make_full`` (fresh optimizer state) or from the
     constant; None for a state the first update creates (SGD's momentum buffer)."""
-    name, value = op.attrs["name"], op.result
-    if op.attrs["state"] is StateKind.CONST:
-        whole = op.attrs["_value"]
+    name, value = op.attrs[NAME], op.result
+    if op.attrs[STATE] is StateKind.CONST:
+        whole = op.attrs[CONST]
     else:
         whole = full[name] if name in full else make_full(name)
     if whole is None:

@@ -7,17 +7,13 @@ from typing import Any
 import torch
 
 from ..ir import OpKind, Program, Slot, StateKind
-from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
+from ..ir.ops import draws_random
 from .codegen import generate
+from ..ir.attrs import CONST, NAME, STATE
 
 
 def has_random_ops(program: Program) -> bool:
-    from .kernels import resolve
-    for op in program.ops_of(OpKind.CALL):
-        if op.target.startswith("aten.") and \
-                torch.Tag.nondeterministic_seeded in resolve(op.target).tags:
-            return True
-    return False
+    return any(draws_random(op) for op in program.ops_of(OpKind.CALL))
 
 
 class Executor:
@@ -34,10 +30,10 @@ class Executor:
         self.program = program
         self.state = state
         for op in program.ops_of(OpKind.STATE):
-            if op.attrs["state"] is StateKind.CONST:
-                state.setdefault(op.attrs["name"], op.attrs["_value"])
-        missing = [op.attrs["name"] for op in program.ops_of(OpKind.STATE)
-                   if op.attrs["name"] not in state]
+            if op.attrs[STATE] is StateKind.CONST:
+                state.setdefault(op.attrs[NAME], op.attrs[CONST])
+        missing = [op.attrs[NAME] for op in program.ops_of(OpKind.STATE)
+                   if op.attrs[NAME] not in state]
         if missing:
             raise KeyError(f"no initial value for program state {missing[:5]}")
         self.fn, self.source = generate(program, comm=comm)

@@ -21,16 +21,18 @@ from ..ir import OpKind, Program, Slot
 from ..ir.dist import DistAttr
 from ..passes.partition import partition
 from ..pipeline.job_programs import job_program, local_keys
-from ..pipeline.jobs import STEP, JobId, Message, PipelinePlan
+from ..pipeline.jobs import JobId, Message, PipelinePlan
 from ..pipeline.layout import PipelineLayout
 from ..pipeline.phases import Phase, homes_of
-from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
 from .codegen import generate
 from .collectives import bind_comm
 from .distributed import gather_full, initial_piece
 from .p2p import P2PTransport
 from .pipeline_step import MicroBatchCutter, RankStore, RngTable
 from .process_groups import MeshAxisGroup, MeshGroups
+from ..ir.attrs import NAME, SLOTS
+from ..pipeline.job_programs import GLOBAL_OP
+from ..pipeline.jobs import MESSAGE
 
 __all__ = ["PipelineExecutor", "PipelinePieces", "logical_groups"]
 
@@ -68,7 +70,7 @@ class PipelinePieces:
               make_full: Callable[[str], torch.Tensor | None]) -> None:
         mine = set(self.layout.stages_of(self.pp))
         for op in program.ops_of(OpKind.STATE):
-            name, value = op.attrs["name"], op.result
+            name, value = op.attrs[NAME], op.result
             if not value.is_tensor:
                 continue
             stages = {s for s, _ in homes_of(op)}
@@ -134,7 +136,7 @@ class PipelineExecutor:
             self.jobs[job] = job_program(program, *locals_[k], plan, self.rank, job)
             for op in self.jobs[job].ops:
                 if op.target == "comm.recv":
-                    shapes[op.attrs["_message"]] = (tuple(op.result.type.shape),
+                    shapes[op.attrs[MESSAGE]] = (tuple(op.result.type.shape),
                                                     op.result.type.dtype)
         if groups is not None:
             self.transport = P2PTransport(
@@ -144,7 +146,7 @@ class PipelineExecutor:
             comm = self._bind(self.jobs[job], logical_groups(groups, layout, self.coordinate,
                                                              max(job.micro_batch, 0)))
             self.fns[job], _ = generate(self.jobs[job], name=f"job{i}", comm=comm)
-            self.slots[job] = self.jobs[job].output_op.attrs["slots"]
+            self.slots[job] = self.jobs[job].output_op.attrs[SLOTS]
         # wall-clock seconds of a perf_counter reading, so processes' events line up
         self.clock = time.time() - time.perf_counter()
         self.events: list[tuple[JobId, float, float]] = []     # the last step's
@@ -181,14 +183,14 @@ class PipelineExecutor:
         comm = {}
         for op in program.ops_of(OpKind.COMM):
             if op.target == "comm.send":
-                comm[op] = (lambda m: lambda x: self.transport.send(m, x))(op.attrs["_message"])
+                comm[op] = (lambda m: lambda x: self.transport.send(m, x))(op.attrs[MESSAGE])
             elif op.target == "comm.recv":
-                comm[op] = (lambda m: lambda: self.transport.recv(m))(op.attrs["_message"])
+                comm[op] = (lambda m: lambda: self.transport.recv(m))(op.attrs[MESSAGE])
             elif groups is None:
                 raise ValueError(f"{op.target} ({op.module or '-'}) in a pipeline of one "
                                  "process: nothing to communicate with")
             else:
-                comm[op] = bind_comm(op.attrs["_global"], groups)
+                comm[op] = bind_comm(op.attrs[GLOBAL_OP], groups)
         return comm
 
     def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:

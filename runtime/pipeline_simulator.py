@@ -22,9 +22,10 @@ from ..pipeline.job_programs import job_program, local_keys
 from ..pipeline.jobs import STEP, JobId, PipelinePlan
 from ..pipeline.phases import Phase
 from ..pipeline.timeline import timeline_events
-from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
 from .pipeline_step import MicroBatchCutter, RankStore, RngTable
 from .simulator import call_op, communicate
+from ..ir.attrs import CONST, NAME, SLOTS
+from ..pipeline.jobs import MESSAGE
 
 __all__ = ["PipelineSimulator"]
 
@@ -46,12 +47,12 @@ class PipelineSimulator:
                                        layout.stage_dims) if layout.stage_shape else None)
         self.jobs = self._job_programs()
         self.rng = RngTable(program)
-        self.states = {op.attrs["name"]: op.result for op in program.ops
+        self.states = {op.attrs[NAME]: op.result for op in program.ops
                        if op.kind is OpKind.STATE}
         self.cutters = {c: MicroBatchCutter(program, c, layout.micro_batches)
                         for c in self.coords}
         self.peak_activation_bytes: list[int] = [0] * layout.ranks
-        self.rank_states = {r.rank: {op.attrs["name"] for (rank, c, _), job in self.jobs.items()
+        self.rank_states = {r.rank: {op.attrs[NAME] for (rank, c, _), job in self.jobs.items()
                                      if rank == r.rank and c == self.coords[0]
                                      for op in job.ops if op.kind is OpKind.STATE}
                             for r in plan.ranks}
@@ -151,19 +152,19 @@ class PipelineSimulator:
             first = ops[self.coords[0]]
             if first.kind is OpKind.INPUT:
                 for c, op in ops.items():
-                    envs[c][op.result] = inputs[c][op.attrs["name"]]
+                    envs[c][op.result] = inputs[c][op.attrs[NAME]]
             elif first.kind is OpKind.STATE:
                 for c, op in ops.items():
-                    envs[c][op.result] = pieces[(rank, c)][op.attrs["name"]]
+                    envs[c][op.result] = pieces[(rank, c)][op.attrs[NAME]]
             elif first.target == "comm.recv":
-                message = first.attrs["_message"]
+                message = first.attrs[MESSAGE]
                 while (message, self.coords[0]) not in mailbox:
                     yield message
                 for c, op in ops.items():
-                    envs[c][op.result] = mailbox.pop((op.attrs["_message"], c))
+                    envs[c][op.result] = mailbox.pop((op.attrs[MESSAGE], c))
             elif first.target == "comm.send":
                 for c, op in ops.items():
-                    mailbox[(op.attrs["_message"], c)] = envs[c][op.args[0]]
+                    mailbox[(op.attrs[MESSAGE], c)] = envs[c][op.args[0]]
             elif first.kind is OpKind.COMM:
                 communicate(ops, envs, self.stage_mesh)
             elif first.target == "autopar.set_rng_state":
@@ -178,7 +179,7 @@ class PipelineSimulator:
             elif first.kind is OpKind.OUTPUT:
                 for c, op in ops.items():
                     values = [envs[c][v] for v in op.args]
-                    outs[c] = stores[(rank, c)].absorb(job, op.attrs["slots"], values)
+                    outs[c] = stores[(rank, c)].absorb(job, op.attrs[SLOTS], values)
         return outs
 
     def _feeds(self, feeds: dict[str, Any], c: Coordinate, job: JobId, rng) -> dict[str, Any]:
@@ -192,7 +193,7 @@ class PipelineSimulator:
         out = {}
         for name in self.rank_states[rank]:
             v = self.states[name]
-            full = self.state[name] if name in self.state else v.producer.attrs.get("_value")
+            full = self.state[name] if name in self.state else v.producer.attrs.get(CONST)
             if isinstance(full, torch.Tensor) and v.dist is not None:
                 out[name] = shard_tensor_local(full, v.dist.mesh, v.dist.placements, c + (0,))
             else:

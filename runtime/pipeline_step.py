@@ -11,13 +11,14 @@ import torch
 
 from ..ir import Op, OpKind, Program, Slot
 from ..ir.dist import local_slices
-from ..ir.lower_fx import STRIDES_ATTR
+from ..ir.attrs import STRIDES
 from ..ir.printer import value_names
 from ..pipeline.job_programs import random_ops
 from ..pipeline.jobs import STEP, Accumulation, JobId, RankPlan
 from ..pipeline.phases import Phase
 from ..reshard.steps import AllGather, AllReduce
-from .kernels import resolve
+from ..ir.ops import resolve
+from ..ir.attrs import NAME
 
 __all__ = ["RngTable", "RankStore", "MicroBatchCutter"]
 
@@ -27,7 +28,7 @@ class MicroBatchCutter:
     by the input values' placements at its coordinate; the slices are found once."""
 
     def __init__(self, program: Program, coordinate: tuple[int, ...], micro_batches: int):
-        placed = [(op.attrs["name"], op.result) for op in program.ops_of(OpKind.INPUT)
+        placed = [(op.attrs[NAME], op.result) for op in program.ops_of(OpKind.INPUT)
                   if op.result.is_tensor and op.result.dist is not None]
         self.slices = [{name: local_slices(v.type.shape, v.dist.mesh, v.dist.placements,
                                            tuple(coordinate) + (k,)) for name, v in placed}
@@ -69,7 +70,7 @@ class RngTable:
 def _draw_like(op: Op) -> None:
     """Draw what ``op`` draws at its global shape, in the traced layout, and drop it: the
     generator advances as eager's does (draws depend on shapes and strides, not values)."""
-    strides = op.attrs.get(STRIDES_ATTR) or ()
+    strides = op.attrs.get(STRIDES) or ()
     layout = strides[1] if op.target == "aten.native_dropout.default" else \
         (strides[0] if strides else None)
     first = True

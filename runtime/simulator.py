@@ -19,9 +19,9 @@ from ..ir.core import OpKind, Program, Slot, StateKind, Value
 from ..ir.dist import assemble, shard_tensor_local
 from ..passes.partition import partition, program_mesh
 from ..reshard.simulate import apply_step
-from . import optim_kernels  # noqa: F401  (registers the optimizer kernels)
-from ..spmd.local_forms.registry import is_random
-from .kernels import resolve
+from ..ir.ops import draws_random, resolve
+from ..ir.attrs import CONST, MULTI, NAME, STATE
+from ..reshard.comm import BUCKET_STEPS, RESHARD_STEP
 
 __all__ = ["simulate_step", "SimulatedExecutor"]
 
@@ -29,15 +29,15 @@ Coordinate = tuple[int, ...]
 
 
 def _initial(op, value: Value, feeds: dict[str, Any], state: dict[str, Any]) -> Any:
-    name = op.attrs["name"]
+    name = op.attrs[NAME]
     if op.kind is OpKind.INPUT:
         if name not in feeds:
             raise KeyError(f"simulate_step: no feed {name!r}")
         return feeds[name]
     if name in state:
         return state[name]
-    if op.attrs["state"] is StateKind.CONST:
-        return op.attrs["_value"]
+    if op.attrs[STATE] is StateKind.CONST:
+        return op.attrs[CONST]
     raise KeyError(f"simulate_step: no initial value for program state {name!r}")
 
 
@@ -53,7 +53,7 @@ def call_op(op, env: dict[Value, Any]) -> list[Any]:
     args, kwargs = pytree.tree_map(swap, (op.args, op.kwargs),
                                    is_leaf=lambda a: isinstance(a, Value))
     out = resolve(op.target)(*args, **kwargs)
-    if len(op.outputs) == 1 and not op.attrs.get("_multi"):
+    if len(op.outputs) == 1 and not op.attrs.get(MULTI):
         return [out]
     out = list(out)
     if len(out) != len(op.outputs):
@@ -71,7 +71,7 @@ def communicate(ops: dict[Coordinate, Any], envs: dict, mesh) -> None:
             for v, x in zip(op.outputs, envs[c][op.args[0]]):
                 envs[c][v] = x
         return
-    steps = first.attrs.get("_steps") or (first.attrs["_step"],)
+    steps = first.attrs.get(BUCKET_STEPS) or (first.attrs[RESHARD_STEP],)
     results: dict[Coordinate, list] = {c: [] for c in ops}
     for k, step in enumerate(steps):
         moved = apply_step({c: envs[c][op.args[k]] for c, op in ops.items()}, mesh, step)
@@ -132,7 +132,7 @@ def simulate_step(program: Program, feeds: dict[str, Any], state: dict[str, torc
                 # the global op: the local form's target (autopar.sliced_random) is no ATen
                 # random op, and ranks that drew in turn would draw unrelated numbers
                 rng = torch.default_generator.get_state() \
-                    if is_random(program.ops[i].target) else None
+                    if draws_random(program.ops[i]) else None
                 for c, op in ops.items():
                     if rng is not None:
                         torch.default_generator.set_state(rng)

@@ -23,36 +23,13 @@ from typing import Collection, Sequence
 
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
+from ..ir.reason import REPLICATE, MeshDimChoice, Option
 from .cost import reshard_bytes
 from .spec import UNSHARDABLE, Spec
 
 
 class SpecError(ValueError):
     """A spec does not fit the op it was written for (arity or rank)."""
-
-
-@dataclass(frozen=True)
-class Option:
-    kind: str          # "shard" | "partial" | "replicate"
-    arg: str = ""      # the letter, or the partial op
-    groups: int = 1    # a shard's groups (Shard(d, groups))
-
-    def __str__(self) -> str:
-        shard = f"shard '{self.arg}'" + (f" x{self.groups}" if self.groups > 1 else "")
-        return {"shard": shard, "partial": f"P({self.arg})"}.get(self.kind, "R")
-
-
-REPLICATE = Option("replicate")
-
-
-@dataclass(frozen=True)
-class MeshDimChoice:
-    """What one mesh dim was given, what it cost, and what else was priced (for explain)."""
-
-    mesh_dim: int
-    chosen: Option
-    cost: float
-    alternatives: tuple[tuple[Option, float], ...]
 
 
 @dataclass(frozen=True)

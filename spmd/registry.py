@@ -7,13 +7,11 @@ entry are recognised by their ``torch.Tag.pointwise`` tag. A target with no rule
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, Collection, Protocol, Sequence
 
-import torch
-
 from ..ir.core import Op, TensorType, Value
+from ..ir.ops import UnknownOpError, op_info
 from ..ir.dist import DistAttr, ProcessMesh
 from .einsum import Decision, infer_forward, infer_reverse
 from .spec import Spec
@@ -86,16 +84,12 @@ def lookup(op: Op) -> Rule | None:
     return rule
 
 
-@functools.lru_cache(maxsize=None)
 def _is_pointwise(target: str) -> bool:
-    namespace, _, rest = target.partition(".")
-    if namespace != "aten":
+    if not target.startswith("aten."):
         return False
-    name, _, overload = rest.rpartition(".")
     try:
-        overload_packet = getattr(torch.ops.aten, name)
-        return torch.Tag.pointwise in getattr(overload_packet, overload).tags
-    except AttributeError:
+        return op_info(target).pointwise
+    except UnknownOpError:
         return False
 
 

@@ -17,21 +17,24 @@ from torch.utils import _pytree as pytree
 
 from autopar.ir import Op, OpKind, Program, StateKind, TensorType, Value
 from autopar.ir.capture import capture
-from autopar.ir.lower_fx import STRIDES_ATTR
+from autopar.ir.attrs import STRIDES
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.context import PassContext
 from autopar.passes.decompose_loss import decompose_loss
 from autopar.passes.manager import PassManager
-from autopar.runtime import optim_kernels  # noqa: F401  (registers optim.* kernels)
-from autopar.runtime.kernels import resolve
-from autopar.spmd.local_forms.registry import is_random
+from autopar.ir.ops import op_info, resolve
 from autopar.strategy import Strategy
 
 import models_zoo as zoo
+from autopar.ir.attrs import CONST, MULTI, NAME, STATE
 
 BATCH, SEQ, VOCAB = 2, 8, 30
 SEED = 1234
+
+
+def is_random(target: str) -> bool:
+    return op_info(target).random
 
 
 @dataclass(repr=False)
@@ -129,13 +132,13 @@ def _program(model, loss, batch, decompose: bool) -> tuple[Program, torch.optim.
 # the interpreter
 # ----------------------------------------------------------------------------------------
 def _state_value(op: Op, model: torch.nn.Module) -> Any:
-    name, kind = op.attrs["name"], op.attrs["state"]
+    name, kind = op.attrs[NAME], op.attrs[STATE]
     if kind is StateKind.PARAM:
         return dict(model.named_parameters())[name].detach().clone()
     if kind is StateKind.BUFFER:
         return dict(model.named_buffers())[name].clone()
     if kind is StateKind.CONST:
-        return op.attrs["_value"]
+        return op.attrs[CONST]
     # optimizer state: not the all-zero first step, so the update math is exercised
     t = op.result.type
     key = name.rpartition("/")[2]
@@ -163,7 +166,7 @@ def interpret(program: Program, model: torch.nn.Module, optimizer: torch.optim.O
         with torch.no_grad():
             for op in program.ops:
                 if op.kind is OpKind.INPUT:
-                    key = op.attrs["name"]
+                    key = op.attrs[NAME]
                     group, _, index = key.partition("/")
                     env[op.result] = leaves[int(index)] if group == "batch" \
                         else optimizer.param_groups[int(index)]
@@ -175,7 +178,7 @@ def interpret(program: Program, model: torch.nn.Module, optimizer: torch.optim.O
                     swap = lambda a: _clone(env[a]) if isinstance(a, Value) else a  # noqa: E731
                     args, kwargs = pytree.tree_map(swap, (op.args, op.kwargs))
                     out = resolve(op.target)(*args, **kwargs)
-                    outs = list(out) if (len(op.outputs) > 1 or op.attrs.get("_multi")) \
+                    outs = list(out) if (len(op.outputs) > 1 or op.attrs.get(MULTI)) \
                         else [out]
                     for v, o in zip(op.outputs, outs, strict=True):
                         env[v] = o
@@ -218,7 +221,7 @@ def synthetic(target: str, *args, model: str = "synthetic", **kwargs) -> OpCase:
     types = [TensorType(tuple(o.shape), o.dtype) for o in outs]
     op = Op(OpKind.CALL, target, vargs, vkwargs, [Value(t) for t in types])
     if rng is not None:   # what capture records for random ops: the layout they filled
-        op.attrs[STRIDES_ATTR] = tuple(tuple(o.stride()) for o in outs)
+        op.attrs[STRIDES] = tuple(tuple(o.stride()) for o in outs)
     return OpCase(op, values, outs, rng, model)
 
 

@@ -10,6 +10,8 @@ from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 
 from .parity import assert_same_losses, assert_same_params, eager_train, lm_data, twin
+from autopar.ir.attrs import COMM_TEXT
+from autopar.reshard.comm import FOR_ROLE
 
 
 def _plan(bucket_mb: float, simulate: bool = False):
@@ -26,12 +28,12 @@ def _plan(bucket_mb: float, simulate: bool = False):
 
 def _gradient_buckets(program, target="comm.all_reduce_start"):
     return [op for op in program.ops if op.target == target
-            and op.attrs["_for"] == Role.OPTIMIZER.value]
+            and op.attrs[FOR_ROLE] == Role.OPTIMIZER.value]
 
 
 def _grad_all_reduces(program):
     return [op for op in program.ops if op.target == "comm.all_reduce"
-            and op.attrs["_for"] == Role.OPTIMIZER.value]
+            and op.attrs[FOR_ROLE] == Role.OPTIMIZER.value]
 
 
 def test_one_bucket_holds_every_gradient_and_starts_right_after_the_last_one():
@@ -58,7 +60,7 @@ def test_small_buckets_start_while_the_backward_still_runs():
         total = sum(v.type.numel * 4 for v in op.args)
         biggest = max(v.type.numel * 4 for v in op.args)
         assert total - biggest < 0.01 * 2**20          # filled up to the cap, then closed
-        assert "gradients" in op.attrs["step"] and "over dp" in op.attrs["step"]
+        assert "gradients" in op.attrs[COMM_TEXT] and "over dp" in op.attrs[COMM_TEXT]
 
 
 def test_bucket_mb_zero_keeps_one_all_reduce_per_gradient():
@@ -83,7 +85,7 @@ def test_the_reported_loss_is_reduced_while_the_backward_runs():
     wait = loss.producer
     assert wait.target == "comm.wait" and program.ops.index(wait) == len(program.ops) - 2
     start = wait.args[0].producer
-    assert "1 values" in start.attrs["step"]
+    assert "1 values" in start.attrs[COMM_TEXT]
     made = program.ops.index(start.args[0].producer)
     assert program.ops.index(start) == made + 1
     assert any(op.role is Role.BACKWARD for op in program.ops[made:program.ops.index(wait)])

@@ -16,6 +16,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 
 from . import models_zoo as zoo
+from autopar.ir.attrs import CONST, NAME
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -124,8 +125,8 @@ def test_plain_tensor_attribute_is_a_constant():
     x = torch.randint(0, zoo.VOCAB, (2, 8))
     program = capture(model, lm_loss, x, x, mode="train").program
     consts = program.states(StateKind.CONST)
-    assert [op.attrs["name"].split("@")[0] for op in consts] == ["const/attn.inv_freq"]
-    assert torch.equal(consts[0].attrs["_value"], model.attn.inv_freq)
+    assert [op.attrs[NAME].split("@")[0] for op in consts] == ["const/attn.inv_freq"]
+    assert torch.equal(consts[0].attrs[CONST], model.attn.inv_freq)
 
 
 def test_dict_output_with_loss_inside():

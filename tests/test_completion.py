@@ -14,9 +14,10 @@ from autopar.ir import OpKind, Role
 from autopar.ir.dist import Partial, Replicate, Shard
 from autopar.passes.annotate import AnnotationError
 from autopar.passes.completion import MissingRuleError, MissingRuleWarning
-from autopar.passes.explain import planned_moves
+from autopar.passes.explain import describe_reason, planned_moves
 
 from .models_zoo import MegatronMLP, mse
+from autopar.ir.attrs import NAME
 
 TP = ap.ProcessMesh([0, 1], dim_names=["tp"])
 
@@ -76,7 +77,7 @@ def test_megatron_backward_agrees_with_forward_and_sharded_grads_need_no_gather(
     strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["tp"]},
                            tensor_parallel={"axis": "tp", "plan": {"fc1": "colwise", "fc2": "rowwise"}})
     engine, program = _plan(model, strategy)
-    updates = {op.args[0].producer.attrs["name"]: op for op in program.ops if op.role is Role.OPTIMIZER
+    updates = {op.args[0].producer.attrs[NAME]: op for op in program.ops if op.role is Role.OPTIMIZER
                and op.kind is OpKind.CALL}
     for name, want in {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1),
                        "fc2.bias": Replicate()}.items():
@@ -123,7 +124,7 @@ def test_every_value_is_placed_for_gpt_on_a_2d_mesh_and_plan_dims_follow_graph_u
     for op in program.ops:
         if op.kind is OpKind.CALL:
             assert len(op.needs) == len([v for v in op.inputs if v.is_tensor]), op.target
-    params = {op.attrs["name"]: op.result for op in program.states()}
+    params = {op.attrs[NAME]: op.result for op in program.states()}
     tp = lambda name: params[name].dist.placements[1]  # noqa: E731
     assert tp("blocks.0.fc1.weight") == Shard(0) and tp("blocks.0.fc2.weight") == Shard(1)
     assert tp("wte.weight") == Shard(0) and tp("blocks.0.fc2.bias") == Replicate()
@@ -147,7 +148,7 @@ def test_hf_conv1d_weights_stored_transposed_get_the_right_plan_dims():
                                "transformer.h.*.mlp.c_proj": "rowwise"}})
     ids = torch.randint(0, 64, (2, 8))
     _, program = _plan(model, strategy, {"input_ids": ids}, ids, loss=None)
-    params = {op.attrs["name"]: op.result for op in program.states()}
+    params = {op.attrs[NAME]: op.result for op in program.states()}
     # Conv1D stores [in, out]: column-parallel shards dim 1, row-parallel dim 0
     assert params["transformer.h.0.mlp.c_fc.weight"].dist.placements == (Shard(1),)
     assert params["transformer.h.0.mlp.c_fc.bias"].dist.placements == (Shard(0),)
@@ -196,7 +197,7 @@ def test_a_conflict_picks_the_cheaper_reshard():
     big, small = mm.args
     assert mm.needs[0] == big.dist                               # the big one stays sharded
     assert mm.needs[1].placements == (Replicate(),)              # the small one is gathered
-    assert "over" in mm.result.why.describe({}, ("tp",))
+    assert "over" in describe_reason(mm.result.why, {}, ("tp",))
 
 
 def test_annotations_are_never_overridden_and_reshard_is_planned_instead():

@@ -1,6 +1,5 @@
 """Engine API: evaluate / predict / metrics / history / retrace / dumps / refusals."""
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from autopar.models.gpt import lm_loss
 from autopar.strategy import UnsupportedStrategyError
 
 from .parity import RTOL, ATOL, lm_data, regression_data
+from autopar.ir.attrs import NAME, STATE
 
 
 def _mse(out, y):
@@ -149,8 +149,8 @@ def test_later_programs_keep_parameters_where_training_placed_them():
     x, y = torch.randn(4, 16), torch.randn(4, 8)
     train = engine.prepare(x, y)
     evaluation = engine.prepare(x, y, mode="eval")
-    placed = lambda program: {op.attrs["name"]: op.result.dist  # noqa: E731
+    placed = lambda program: {op.attrs[NAME]: op.result.dist  # noqa: E731
                               for op in program.ops_of(OpKind.STATE)
-                              if op.attrs["state"] is StateKind.PARAM}
+                              if op.attrs[STATE] is StateKind.PARAM}
     assert placed(evaluation) == placed(train)
     assert "kept where an earlier program placed it" in engine.explain("head.weight", mode="eval")

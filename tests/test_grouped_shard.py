@@ -35,6 +35,7 @@ from op_cases import synthetic  # noqa: E402
 from .parity import assert_same_losses, assert_same_params, eager_train, lm_data
 from .spmd_util import MESH2, T, forward, make_op, reverse
 from .test_reshard_plan import make_pieces
+from autopar.ir.attrs import COMM_TEXT, NAME
 
 R = Replicate()
 MESH_TP = ProcessMesh([0, 1], dim_names=["tp"])
@@ -360,7 +361,7 @@ def test_gpt_tp_plan_runs_attention_on_local_heads_without_forward_communication
                        strategy=_strategy("configs/tp.yaml"))
     x = torch.randint(0, 64, (4, 16))
     program = engine.prepare(x, x)
-    states = {op.attrs["name"]: op.result for op in program.states(StateKind.PARAM)}
+    states = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
     for name in ("blocks.0.attn.qkv.weight", "blocks.1.attn.qkv.bias"):
         assert states[name].dist.placements == (Shard(0, 3),), name
         assert "3 groups" in states[name].why.text
@@ -369,7 +370,7 @@ def test_gpt_tp_plan_runs_attention_on_local_heads_without_forward_communication
                                     "blocks.1.attn", "blocks.1.attn.qkv"})
     moved = [op for op in program.ops if op.kind is OpKind.COMM and op.role.value == "fwd"
              and op.args[0] in inside]
-    assert moved == [], [f"{op.target} {op.attrs.get('step')}" for op in moved]
+    assert moved == [], [f"{op.target} {op.attrs.get(COMM_TEXT)}" for op in moved]
     sdpa = [op for op in program.ops
             if op.target == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
     assert len(sdpa) == 2
@@ -393,7 +394,7 @@ def test_gpt_head_parallel_trains_like_eager_for_10_steps(config):
     losses = engine.fit(data, batch_size=4, verbose=0)["loss"]
     program = next(iter(engine._plans.values())).program
     qkv = next(op.result for op in program.states(StateKind.PARAM)
-               if op.attrs["name"] == "blocks.0.attn.qkv.weight")
+               if op.attrs[NAME] == "blocks.0.attn.qkv.weight")
     assert Shard(0, 3) in qkv.dist.placements
     assert_same_losses(losses, want)
     assert_same_params(model, ref)
@@ -424,7 +425,7 @@ def test_hugging_face_gpt2_fused_c_attn_trains_like_eager_under_tp2():
                        strategy=strategy)
     history = engine.fit([({"input_ids": x}, x.clone()) for x in ids], batch_size=4, verbose=0)
     program = next(iter(engine._plans.values())).program
-    placed = {op.attrs["name"]: op.result.dist.placements
+    placed = {op.attrs[NAME]: op.result.dist.placements
               for op in program.states(StateKind.PARAM)}
     # Conv1D stores [in, 3C]: the fused dim is 1
     assert placed["transformer.h.0.attn.c_attn.weight"] == (Shard(1, 3),)

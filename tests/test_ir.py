@@ -5,6 +5,7 @@ import torch
 from autopar.ir import (Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value,
                         VerificationError, format_program, verify)
 from autopar.ir.capture import capture
+from autopar.ir.attrs import NAME, SLOTS, STATE
 
 
 class Tiny(torch.nn.Module):
@@ -80,12 +81,12 @@ def _program_with(*ops: Op) -> Program:
 
 def _state(name: str) -> Op:
     return Op(OpKind.STATE, "state", outputs=[Value(TensorType((2,), torch.float32))],
-              attrs={"state": StateKind.PARAM, "name": name})
+              attrs={STATE: StateKind.PARAM, NAME: name})
 
 
 def _output(*values: Value) -> Op:
     return Op(OpKind.OUTPUT, "output", args=values,
-              attrs={"slots": [Slot("output", str(i)) for i in range(len(values))]})
+              attrs={SLOTS: tuple(Slot("output", str(i)) for i in range(len(values)))})
 
 
 def test_verifier_accepts_a_valid_program():
@@ -122,6 +123,6 @@ def test_verifier_rejects_forward_reading_backward():
 
 def test_verifier_rejects_bad_slot():
     a = _state("a")
-    out = Op(OpKind.OUTPUT, "output", args=(a.result,), attrs={"slots": [Slot("weird")]})
+    out = Op(OpKind.OUTPUT, "output", args=(a.result,), attrs={SLOTS: (Slot("weird"),)})
     with pytest.raises(VerificationError, match="slot kind 'weird'"):
         verify(_program_with(a, out))

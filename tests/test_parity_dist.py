@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.models import GPT, GPTConfig
+from autopar.models import GPT
 from autopar.models.gpt import lm_loss
 
 from . import models_zoo as zoo

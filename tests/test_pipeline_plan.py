@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import autopar as ap
-from autopar.ir import OpKind, Role, verify
+from autopar.ir import Role, verify
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.pipeline_jobs import PipelineError
-from autopar.passes.split_stages import STAGE, StageSplitError
+from autopar.passes.split_stages import StageSplitError
+from autopar.pipeline.phases import STAGE
 from autopar.pipeline.job_programs import job_program, local_keys
 from autopar.pipeline.jobs import JobId
 from autopar.pipeline.schedules import build_schedule
@@ -20,6 +20,7 @@ from autopar.pipeline.phases import Phase, homes_of
 from autopar.passes.partition import partition
 
 from .parity import RTOL, ATOL, assert_same_losses, eager_train, lm_data
+from autopar.pipeline.jobs import MESSAGE
 
 
 def gpt(layers: int = 4, **kw) -> GPT:
@@ -310,7 +311,7 @@ def test_both_ends_of_every_pair_post_its_messages_in_one_order(schedule, pp, ch
             local = partition(program, (max(job.micro_batch, 0),))
             keys = local_keys(program, local, pipeline_plan.names)
             jobs.append(job_program(program, local, keys, pipeline_plan, rank, job))
-            shapes.update({op.attrs["_message"]: (op.result.type.shape, op.result.type.dtype)
+            shapes.update({op.attrs[MESSAGE]: (op.result.type.shape, op.result.type.dtype)
                            for op in jobs[-1].ops if op.target == "comm.recv"})
         transport = Recording(pipeline_plan.messages, rank.rank, lambda r: r, shapes, "cpu")
         transport.log = {}
@@ -318,9 +319,9 @@ def test_both_ends_of_every_pair_post_its_messages_in_one_order(schedule, pp, ch
             transport.prefetch()      # as the runtime does between jobs
             for op in job.ops:
                 if op.target == "comm.recv":
-                    transport.recv(op.attrs["_message"])
+                    transport.recv(op.attrs[MESSAGE])
                 elif op.target == "comm.send":
-                    transport.send(op.attrs["_message"], torch.zeros(()))
+                    transport.send(op.attrs[MESSAGE], torch.zeros(()))
         transport.finish()
         logs[rank.rank] = transport.log
     pairs = {(a, b) for a in logs for b in logs[a]}

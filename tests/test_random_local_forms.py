@@ -19,11 +19,12 @@ from torch import nn
 import autopar as ap
 from autopar.ir import Op, OpKind, TensorType, Value
 from autopar.ir.dist import DistAttr, ProcessMesh, Replicate, Shard, assemble, shard_tensor_local
-from autopar.ir.lower_fx import STRIDES_ATTR
-from autopar.runtime.kernels import resolve
+from autopar.ir.attrs import STRIDES
+from autopar.ir.ops import resolve
 from autopar.spmd.local_forms import LocalContext, UnsupportedLocalForm, local_call, run_local
 
 from .parity import ATOL, RTOL
+from autopar.ir.attrs import MULTI
 
 SHAPE = (4, 3, 5)
 
@@ -50,9 +51,9 @@ def _op(target: str, template: torch.Tensor, outs, *args) -> Op:
     outs = outs if isinstance(outs, tuple) else (outs,)
     op = Op(OpKind.CALL, target, (Value(TensorType(SHAPE, template.dtype)), *args), {},
             [Value(TensorType(tuple(o.shape), o.dtype)) for o in outs])
-    op.attrs[STRIDES_ATTR] = tuple(tuple(o.stride()) for o in outs)
+    op.attrs[STRIDES] = tuple(tuple(o.stride()) for o in outs)
     if len(outs) > 1:
-        op.attrs["_multi"] = True
+        op.attrs[MULTI] = True
     return op
 
 
@@ -141,7 +142,7 @@ def test_sharded_native_dropout_draws_the_eager_mask(layout, mesh_shape, placeme
 
 def test_random_op_without_traced_layout_is_refused():
     op = _op("aten.bernoulli_.float", torch.empty(SHAPE), torch.empty(SHAPE), 0.5)
-    del op.attrs[STRIDES_ATTR]
+    del op.attrs[STRIDES]
     mesh = ProcessMesh([0, 1])
     ctx = LocalContext(mesh, (0,), (DistAttr(mesh, (Shard(0),)),), (DistAttr(mesh, (Shard(0),)),))
     with pytest.raises(UnsupportedLocalForm, match="bernoulli_.*traced layout"):

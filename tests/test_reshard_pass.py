@@ -11,6 +11,8 @@ from autopar.ir.dist import Partial, Replicate
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.reshard import check_resharded
+from autopar.ir.attrs import COMM_TEXT
+from autopar.reshard.comm import BUCKET_STEPS, RESHARD_STEP
 
 
 def _gpt_program(config: str):
@@ -31,11 +33,11 @@ def test_data_parallel_reduces_each_gradient_once_before_its_update():
             assert wait.kind is OpKind.COMM and wait.target == "comm.wait"
             start = wait.args[0].producer
             grad = start.args[op.args[1].index]
-            assert start.attrs["_steps"][op.args[1].index].kind == "all_reduce"
+            assert start.attrs[BUCKET_STEPS][op.args[1].index].kind == "all_reduce"
             assert grad.dist.placements == (Partial("sum"),)
             assert op.args[1].dist.placements == (Replicate(),)
     reductions = [s for op in program.ops if op.kind is OpKind.COMM
-                  for s in op.attrs.get("_steps") or [op.attrs.get("_step")] if s is not None]
+                  for s in op.attrs.get(BUCKET_STEPS) or [op.attrs.get(RESHARD_STEP)] if s is not None]
     grads = [op for op in program.ops if op.kind is OpKind.CALL and op.role is Role.OPTIMIZER]
     # one all-reduce per gradient, plus the loss's two scalars (sum and count)
     assert len(reductions) == len(grads) + 2
@@ -48,8 +50,8 @@ def test_a_value_several_consumers_need_alike_moves_once_and_the_dump_says_how()
     seen = {}
     for op in program.ops:
         if op.kind is OpKind.COMM:
-            key = (op.args[0], op.target, op.attrs["step"])
-            assert key not in seen, f"{op.attrs['step']} inserted twice"
+            key = (op.args[0], op.target, op.attrs[COMM_TEXT])
+            assert key not in seen, f"{op.attrs[COMM_TEXT]} inserted twice"
             seen[key] = op
     text = format_program(program)
     assert "comm.all_reduce" in text and "over tp: {S(0),P(sum)} -> {S(0),R}" in text

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from autopar.ir.core import Value
 from autopar.ir.dist import (Partial, ProcessMesh, assemble, local_shape, local_slices,
                              parse_placements)
-from autopar.runtime.kernels import resolve
+from autopar.ir.ops import resolve
 from autopar.spmd.dim_transforms import (Flatten, InputDim, Singleton, Split, view_groups,
                                          view_spec, view_transforms)
 from autopar.spmd.registry import tensor_inputs

@@ -6,6 +6,7 @@ import autopar as ap
 from autopar.ir import Op, OpKind, Program, Slot, StateKind, TensorType, Value
 from autopar.models import MLP
 from autopar.runtime.codegen import generate
+from autopar.ir.attrs import NAME, SLOTS, STATE
 
 
 def _engine_source() -> str:
@@ -34,12 +35,12 @@ def test_one_param_group_is_one_optimizer_call():
 
 def test_unknown_op_is_named():
     w = Op(OpKind.STATE, "state", outputs=[Value(TensorType((2,), torch.float32))],
-           attrs={"state": StateKind.PARAM, "name": "w"})
+           attrs={STATE: StateKind.PARAM, NAME: "w"})
     bad = Op(OpKind.CALL, "mylib.frobnicate.default", args=(w.outputs[0],),
              outputs=[Value(TensorType((2,), torch.float32))])
     program = Program()
     for op in (w, bad, Op(OpKind.OUTPUT, "output", args=(bad.outputs[0],),
-                          attrs={"slots": [Slot("output", "0")]})):
+                          attrs={SLOTS: (Slot("output", "0"),)})):
         program.add(op)
     with pytest.raises(KeyError, match="mylib.frobnicate.default"):
         generate(program)

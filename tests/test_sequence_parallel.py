@@ -20,6 +20,8 @@ from autopar.passes.annotate import AnnotationError
 
 from .models_zoo import MegatronMLP, mse
 from .parity import assert_same_losses, assert_same_params, eager_train, lm_data, twin
+from autopar.ir.attrs import MULTI, NAME
+from autopar.reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 
 PLAN = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
         "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise", "wte": "vocab"}
@@ -78,11 +80,11 @@ def _tp_comms(program: Program, consumer_role: str) -> list[tuple[str, int | Non
     readers = program.users()
     found = []
     for op in program.ops:
-        if (op.kind is not OpKind.COMM or op.attrs.get("_for") != consumer_role
-                or op.attrs.get("_multi")):
+        if (op.kind is not OpKind.COMM or op.attrs.get(FOR_ROLE) != consumer_role
+                or op.attrs.get(MULTI)):
             continue
-        bucketed = "_steps" in op.attrs
-        steps = op.attrs["_steps"] if bucketed else (op.attrs["_step"],)
+        bucketed = BUCKET_STEPS in op.attrs
+        steps = op.attrs[BUCKET_STEPS] if bucketed else (op.attrs[RESHARD_STEP],)
         # a bucket's results are its wait's
         moved = readers[op.outputs[0]][0].outputs if bucketed else op.outputs
         for step, v in zip(steps, moved):
@@ -134,7 +136,7 @@ def test_backward_mirrors_the_forward_and_layer_norms_run_on_the_sequence_shard(
         assert op.needs[0].placements == (Shard(1),), (op.target, op.module)
     # only the gradients of replicated parameters (LayerNorm, wpe) are all-reduced
     reduced = [c for c in _tp_comms(program, "opt") if c[0] == "all_reduce"]
-    params = {op.attrs["name"]: op.result.type.shape for op in program.ops_of(OpKind.STATE)}
+    params = {op.attrs[NAME]: op.result.type.shape for op in program.ops_of(OpKind.STATE)}
     assert reduced and all(s in params.values() for _, _, _, s in reduced)
 
 

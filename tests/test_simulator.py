@@ -13,6 +13,8 @@ from autopar.runtime.simulator import simulate_step
 
 from .models_zoo import MegatronMLP, mse
 from .parity import ATOL, RTOL, twin
+from autopar.ir.attrs import NAME
+from autopar.reshard.comm import RESHARD_STEP
 
 TP_PLAN = {"fc1": "colwise", "fc2": "rowwise"}
 
@@ -86,19 +88,19 @@ def test_simulated_steps_match_eager_single_device(kind, batch, optim):
 def test_partition_gives_each_rank_its_local_shapes_and_local_calls():
     engine, _, _ = _make("tp", "sgd")
     program = engine.prepare(torch.randn(4, 16), torch.randn(4, 16))
-    states = {op.attrs["name"]: op.result for op in program.ops_of(OpKind.STATE)}
+    states = {op.attrs[NAME]: op.result for op in program.ops_of(OpKind.STATE)}
     assert states["fc1.weight"].type.shape == (64, 16)
     for coordinate in [(0,), (1,)]:
         local = partition(program, coordinate)
         assert len(local.ops) == len(program.ops)
-        shapes = {op.attrs["name"]: op.result.type.shape for op in local.ops_of(OpKind.STATE)}
+        shapes = {op.attrs[NAME]: op.result.type.shape for op in local.ops_of(OpKind.STATE)}
         assert shapes["fc1.weight"] == (32, 16)
         assert shapes["fc1.bias"] == (32,)
         assert shapes["fc2.weight"] == (16, 32)
         assert shapes["fc2.bias"] == (16,)
         # comm ops keep their reshard step; the global program is untouched
         comms = [op for op in local.ops if op.kind is OpKind.COMM]
-        assert comms and all("_step" in op.attrs for op in comms)
+        assert comms and all(RESHARD_STEP in op.attrs for op in comms)
     assert states["fc1.weight"].type.shape == (64, 16)
 
 

@@ -36,6 +36,7 @@ from autopar.ir.dist import (DistAttr, Partial, Placement, ProcessMesh, Replicat
 from autopar.spmd import lookup  # noqa: E402
 from autopar.spmd.local_forms import LocalContext, local_call, run_local  # noqa: E402
 from autopar.spmd.registry import tensor_inputs  # noqa: E402
+from autopar.ir.attrs import MULTI
 
 CASES: dict[str, list[OpCase]] = by_target()
 MODEL_TARGETS = sorted(t for t, cs in CASES.items() if any(c.model != "synthetic" for c in cs))
@@ -221,7 +222,7 @@ def _fresh_op(op):
 
 
 def _outputs_of(op, result) -> list[Any]:
-    if len(op.outputs) > 1 or op.attrs.get("_multi"):
+    if len(op.outputs) > 1 or op.attrs.get(MULTI):
         return list(result)
     return [result]
 

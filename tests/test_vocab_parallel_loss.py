@@ -36,6 +36,8 @@ from autopar.spmd.registry import tensor_inputs  # noqa: E402
 
 from .parity import (ATOL, RTOL, assert_same_losses, assert_same_params, eager_train,  # noqa: E402
                      lm_data, twin)
+from autopar.ir.attrs import DECOMPOSES
+from autopar.reshard.comm import RESHARD_STEP
 
 NLL = "aten.nll_loss_forward.default"
 NLL_BACKWARD = "aten.nll_loss_backward.default"
@@ -208,7 +210,7 @@ def _plan(strategy: ap.Strategy, loss=lm_loss) -> Program:
 
 
 def _decomposed(program: Program) -> list:
-    return [op for op in program.ops if "decomposes" in op.attrs]
+    return [op for op in program.ops if DECOMPOSES in op.attrs]
 
 
 @pytest.mark.parametrize("config", ["configs/tp.yaml", "configs/dp_tp.yaml"])
@@ -218,7 +220,7 @@ def test_plan_moves_only_per_token_scalars_for_the_loss(config):
     assert not any(op.target.startswith("aten._log_softmax") for op in program.ops)
     logits_shapes = {(tokens, VOCAB), (BATCH, SEQ, VOCAB)}
     comms = [op for op in program.ops if op.kind is OpKind.COMM]
-    gathered = [op.attrs["_step"] for op in comms for v in op.outputs
+    gathered = [op.attrs[RESHARD_STEP] for op in comms for v in op.outputs
                 if v.is_tensor and v.type.shape in logits_shapes]
     assert not gathered, f"the logits still move: {gathered}"
     loss_ops = _decomposed(program) + [op for op in program.ops
@@ -229,9 +231,9 @@ def test_plan_moves_only_per_token_scalars_for_the_loss(config):
     # from the labels: one number, and none at all where the labels are whole)
     assert len({op.result for op in moved}) >= 3
     for op in moved:
-        assert op.target == "comm.all_reduce", op.attrs["_step"]
-        assert op.result.type.numel <= tokens, op.attrs["_step"]
-    steps = " ".join(str(op.attrs["_step"]) for op in moved)
+        assert op.target == "comm.all_reduce", op.attrs[RESHARD_STEP]
+        assert op.result.type.numel <= tokens, op.attrs[RESHARD_STEP]
+    steps = " ".join(str(op.attrs[RESHARD_STEP]) for op in moved)
     assert "all_reduce(max)" in steps and "all_reduce(sum)" in steps
 
 
@@ -239,8 +241,8 @@ def test_rewrite_keeps_roles_modules_and_backward_links():
     program = _plan(ap.Strategy.from_yaml("configs/tp.yaml"))
     ops = set(program.ops)
     new = _decomposed(program)
-    forward = [op for op in new if op.attrs["decomposes"] == "_log_softmax"]
-    backward = [op for op in new if op.attrs["decomposes"] == "_log_softmax_backward_data"]
+    forward = [op for op in new if op.attrs[DECOMPOSES] == "_log_softmax"]
+    backward = [op for op in new if op.attrs[DECOMPOSES] == "_log_softmax_backward_data"]
     assert [op.target for op in forward] == ["aten.amax.default", "aten.sub.Tensor",
                                              "aten.exp.default", "aten.sum.dim_IntList",
                                              "aten.log.default", "aten.sub.Tensor"]

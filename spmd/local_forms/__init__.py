@@ -16,7 +16,7 @@ exceptions carry something global in their non-tensor arguments or in what they 
 * a few kernels crash on the empty pieces uneven shards leave (CPU flash attention).
 
 A local form is a pure function ``(op, ctx) -> LocalCall | None`` that rewrites the call:
-a target (an ATen overload, or a small ``autopar.*`` kernel registered here) and arguments
+a target (an ATen overload, or an ``autopar.*`` kernel of ``ir/kernels``) and arguments
 that still hold the op's input Values, which at run time are the rank's local tensors. The
 partition pass applies it to every op of a rank's program; ``run_local`` executes it on
 concrete local tensors (for tests and the simulator). ``None`` means "call unchanged".
@@ -28,11 +28,8 @@ from .context import LocalCall, LocalContext, UnsupportedLocalForm
 from .registry import LOCAL_FORMS, LocalForm, local_call, register_local_form, run_local
 
 # the family modules, one per op family (like spmd/rules/): importing them fills
-# LOCAL_FORMS and registers their ``autopar.*`` kernels, in this order
+# LOCAL_FORMS
 from . import shapes, reductions, embedding, losses, random, guards  # noqa: F401
-from .embedding import vocab_embedding, vocab_embedding_backward  # noqa: F401
-from .guards import empty_outputs  # noqa: F401
-from .random import sliced_native_dropout, sliced_random  # noqa: F401
 from .shapes import SHAPE_ARGS  # noqa: F401
 
 __all__ = ["LocalCall", "LocalContext", "LocalForm", "LOCAL_FORMS", "register_local_form",

@@ -2,25 +2,16 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
-
-import torch
 
 from ...ir.core import Op
-from ...runtime.kernels import kernel
+from ...ir.ops import draws_random
 from .context import LocalCall, LocalContext, UnsupportedLocalForm
-from .registry import draws_random, register_local_form
+from .registry import register_local_form
 
 
 # ----------------------------------------------------------------------------------------
 # kernels that crash on empty pieces (uneven shards leave trailing ranks empty)
 # ----------------------------------------------------------------------------------------
-@kernel("autopar.empty_outputs")
-def empty_outputs(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]):
-    """The op's outputs when every one of them is empty on this rank."""
-    return tuple(torch.empty(tuple(s), dtype=d) for s, d in zip(shapes, dtypes))
-
-
 # The CPU flash-attention kernels divide by the head count: an empty piece kills the process.
 _EMPTY_UNSAFE = (
     "aten._scaled_dot_product_flash_attention_for_cpu.default",

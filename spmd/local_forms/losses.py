@@ -1,4 +1,4 @@
-"""Class-sharded (vocab-parallel) negative log-likelihood and its backward, with kernels.
+"""Class-sharded (vocab-parallel) negative log-likelihood and its backward (kernels: ``ir/kernels/sharded.py``).
 
 A rank holds classes [offset, offset + classes) of the log-probabilities (and of the class
 weights). Forward: it reads only the rows whose target falls in that range, so its loss and
@@ -9,42 +9,9 @@ Means keep the class axis whole (the rule), so no form here divides.
 """
 from __future__ import annotations
 
-import torch
-
 from ...ir.core import Op
-from ...runtime.kernels import kernel
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
-
-# What the kernels pass ATen as ignore_index once targets are local: no local class is
-# negative, so it never meets a kept target.
-_MASKED = -100
-
-
-def _local_targets(target: torch.Tensor, offset: int, classes: int,
-                   ignore_index: int) -> torch.Tensor:
-    """Targets relative to this rank's first class; ignored or held elsewhere -> _MASKED."""
-    held = (target >= offset) & (target < offset + classes) & (target != ignore_index)
-    return torch.where(held, target - offset, torch.full_like(target, _MASKED))
-
-
-@kernel("autopar.vocab_nll_loss")
-def vocab_nll_loss(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-                   reduction: int, ignore_index: int, offset: int):
-    """(loss, total_weight) over the rows whose target this rank holds; 0 for the others."""
-    local = _local_targets(target, offset, x.shape[-1], ignore_index)
-    return torch.ops.aten.nll_loss_forward.default(x, local, weight, reduction, _MASKED)
-
-
-@kernel("autopar.vocab_nll_loss_backward")
-def vocab_nll_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
-                            weight: torch.Tensor | None, reduction: int, ignore_index: int,
-                            total_weight: torch.Tensor, offset: int) -> torch.Tensor:
-    """This rank's class columns of the input gradient (``total_weight`` is the global one)."""
-    local = _local_targets(target, offset, x.shape[-1], ignore_index)
-    return torch.ops.aten.nll_loss_backward.default(grad, x, local, weight, reduction,
-                                                    _MASKED, total_weight)
-
 
 def _arg(op: Op, index: int, name: str):
     return op.args[index] if len(op.args) > index else op.kwargs[name]

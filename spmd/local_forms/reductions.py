@@ -4,11 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import torch
-
 from ...ir.core import Op
 from ...ir.dist import Partial, Shard
-from ...runtime.kernels import kernel, resolve
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
 
@@ -16,13 +13,6 @@ from .registry import register_local_form
 # ----------------------------------------------------------------------------------------
 # means: divide the local sum by the global count, so the terms add up to the mean
 # ----------------------------------------------------------------------------------------
-@kernel("autopar.global_mean")
-def _global_mean(target: str, count: int | float, *args, **kwargs) -> torch.Tensor:
-    """``target`` is the sum-reduced form of a mean; dividing by the *global* count makes
-    the local result an exact term of a Partial(sum)."""
-    return resolve(target)(*args, **kwargs) / count
-
-
 def _mean_count(op: Op, ctx: LocalContext, reduced: Sequence[int]) -> int | float | None:
     """The divisor each rank uses, or None when no reduced dim is sharded (the local mean
     is then the global one). ``Partial(avg)`` outputs already divide by the ranks of their

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-import torch
 from torch.utils import _pytree as pytree
 
 from ...ir.core import Op, Value
-from ...runtime.kernels import resolve
+from ...ir.ops import draws_random, resolve
 from .context import LocalCall, LocalContext, UnsupportedLocalForm
 
 LocalForm = Callable[[Op, LocalContext], "LocalCall | None"]
@@ -46,27 +45,3 @@ def run_local(op: Op, ctx: LocalContext, values: Mapping[Value, Any]) -> Any:
     swap = lambda a: values[a] if isinstance(a, Value) else a  # noqa: E731
     args, kwargs = pytree.tree_map(swap, (call.args, call.kwargs))
     return resolve(call.target)(*args, **kwargs)
-
-
-def is_random(target: str) -> bool:
-    """Whether an ATen op draws from the RNG (its ``nondeterministic_seeded`` tag)."""
-    if not target.startswith("aten."):
-        return False
-    try:
-        return torch.Tag.nondeterministic_seeded in resolve(target).tags
-    except KeyError:
-        return False
-
-
-def draws_random(op: Op) -> bool:
-    """Whether the op consumes the generator: tagged random, unless its only randomness is
-    a dropout probability that is 0 (attention kernels with ``dropout_p=0``)."""
-    if not is_random(op.target):
-        return False
-    try:
-        schema = resolve(op.target)._schema
-    except AttributeError:
-        return True
-    given = dict(zip([a.name for a in schema.arguments if not a.kwarg_only], op.args))
-    given.update(op.kwargs)
-    return given.get("dropout_p", 1) != 0

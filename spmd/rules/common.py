@@ -2,35 +2,12 @@
 inputs in ``op.inputs`` order (the order a Spec's inputs follow)."""
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
-import torch
-
 from ...ir.core import Op, Value
+from ...ir.ops import given_args, schema_args  # noqa: F401  (schema_args: for the rules)
 from ..registry import output_types, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters, pointwise_letters
-
-@lru_cache(maxsize=None)
-def _schema(target: str) -> torch.FunctionSchema:
-    _, _, rest = target.partition(".")
-    name, _, overload = rest.rpartition(".")
-    return getattr(getattr(torch.ops.aten, name), overload)._schema
-
-
-def _named(op: Op) -> list[tuple[str, Any]]:
-    """(schema name, argument) for what the op was called with, in ``op.inputs`` order."""
-    positional = [a.name for a in _schema(op.target).arguments if not a.kwarg_only]
-    return list(zip(positional, op.args)) + list(op.kwargs.items())
-
-
-def schema_args(op: Op) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in (ATen targets only)."""
-    given = dict(_named(op))
-    return {a.name: given[a.name] if a.name in given
-            else a.default_value if a.has_default_value() else None
-            for a in _schema(op.target).arguments}
-
 
 def is_tensor(x: Any) -> bool:
     return isinstance(x, Value) and x.is_tensor
@@ -44,7 +21,7 @@ def input_letters(op: Op, by_name: Mapping[str, str]) -> tuple[str, ...]:
     """Letters of the tensor inputs in ``op.inputs`` order, given per schema argument name
     (a name may hold a list of tensors only if it is not lettered)."""
     result = []
-    for name, arg in _named(op):
+    for name, arg in given_args(op):
         if is_tensor(arg):
             result.append(by_name[name])
     if len(result) != len(tensor_inputs(op)):

@@ -1,4 +1,4 @@
-"""Kernels of the IR optimizer ops.
+"""Kernels of the IR optimizer ops (``optim.*``).
 
 They call torch.optim's own functional implementations, reading the live ``param_group``
 dict, so the update math is torch's exactly and any LR scheduler (or any scheduler of other
@@ -12,7 +12,7 @@ import torch
 from torch.optim.adam import adam as _adam
 from torch.optim.sgd import sgd as _sgd
 
-from .kernels import kernel
+from ..ops import kernel
 
 
 def sgd_group(params, grads, group, momentum_buffers):
@@ -24,7 +24,7 @@ def sgd_group(params, grads, group, momentum_buffers):
     return list(zip(params, buffers))
 
 
-@kernel("optim.sgd", batched=sgd_group, shared=[2])
+@kernel("optim.sgd", mutates=True, batched=sgd_group, shared=[2])
 def sgd_update(param, grad, group, momentum_buffer):
     return sgd_group([param], [grad], group, [momentum_buffer])[0]
 
@@ -45,7 +45,7 @@ def adam_group(params, grads, group, exp_avgs, exp_avg_sqs, steps, max_exp_avg_s
     return list(zip(params, exp_avgs, exp_avg_sqs, steps))
 
 
-@kernel("optim.adam", batched=adam_group, shared=[2])
+@kernel("optim.adam", mutates=True, batched=adam_group, shared=[2])
 def adam_update(param, grad, group, exp_avg, exp_avg_sq, step, max_exp_avg_sq=None):
     extra = [[max_exp_avg_sq]] if max_exp_avg_sq is not None else []
     return adam_group([param], [grad], group, [exp_avg], [exp_avg_sq], [step], *extra)[0]

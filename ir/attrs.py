@@ -1,0 +1,134 @@
+"""Typed op attributes: what an op carries besides its target and operands.
+
+An attribute key is an ``Attr``: a name, the type its values must have, and how dumps show
+it. Keys are objects, not strings (``op.attrs[STAGE]``), declared once next to the type they
+carry: the IR's own below, the reshard steps a comm op runs in ``reshard/comm.py``, a
+pipeline op's stage and homes in ``pipeline/phases.py``, a pipeline message in
+``lower/pipeline_jobs.py``. The verifier checks every attribute of every op against its key,
+so a pass cannot hand a later one an untyped value.
+
+The values some of them carry are declared here too: ``StateKind`` and ``Slot``.
+
+What the IR itself records:
+
+* ``NAME``, ``STATE`` — an input's or a state's name, and what kind of state it is;
+* ``SLOTS`` — what each result of the output op means;
+* ``CONST`` — the value of a constant state (a tensor the trace baked in);
+* ``MULTI`` — the kernel returns a sequence (even of one value);
+* ``STRIDES`` — a random op's traced output strides (its draws follow the memory layout);
+* ``DIST``, ``PINNED_DIMS``, ``ORIGIN`` — a placement annotation op's placement, the mesh
+  dims it pins (all when absent) and who made it;
+* ``COMM_TEXT`` — a comm op's collective in words, for dumps;
+* ``LOCAL_NOTE`` — why a rank's call differs from the global one;
+* ``DECOMPOSES`` — which fused op a decomposition replaced.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+
+from .dist import DistAttr
+
+__all__ = ["StateKind", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME", "STATE", "SLOTS", "CONST", "MULTI", "STRIDES", "DIST",
+           "PINNED_DIMS", "ORIGIN", "COMM_TEXT", "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
+
+T = TypeVar("T")
+
+
+class StateKind(str, enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    CONST = "const"
+    OPTIM = "optim"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What one program result means: the loss, a parameter's gradient, a model output,
+    or the new value of a piece of state (written back by the runtime)."""
+
+    kind: str  # "loss" | "grad" | "output" | "update"; a pipeline job's: "carry" | "accumulate"
+    name: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{self.name}]" if self.name else self.kind
+
+
+SLOT_KINDS = ("loss", "grad", "output", "update", "carry", "accumulate")
+
+
+class AttrError(TypeError):
+    """An op attribute whose key is not an ``Attr`` or whose value has the wrong type."""
+
+
+_NAMES: set[str] = set()
+
+
+@dataclass(frozen=True, eq=False)
+class Attr(Generic[T]):
+    """A declared op attribute. ``shown``: printed in dumps after the call as
+    ``{name=value}``; ``note``: printed in the op's trailing comment as ``note(value)``
+    (a pipeline op's ``@s0:F``), unless an attribute the op also has ``replaces`` it. Keys
+    compare by identity; names are unique."""
+
+    name: str
+    type: type | tuple[type, ...]
+    doc: str
+    shown: bool = False
+    note: Callable[[Any], str] | None = field(default=None, repr=False)
+    element: type | tuple[type, ...] | None = None     # a tuple's items, when a tuple
+    replaces: tuple[str, ...] = ()     # attributes whose note this one's supersedes
+
+    def __post_init__(self) -> None:
+        if self.name in _NAMES:
+            raise ValueError(f"op attribute {self.name!r} declared twice")
+        _NAMES.add(self.name)
+
+    def check(self, value: Any) -> None:
+        if not isinstance(value, self.type):
+            raise AttrError(f"op attribute {self.name!r} holds a {type(value).__name__}, "
+                            f"not {_type_name(self.type)}")
+        if self.element is not None and not all(isinstance(x, self.element) for x in value):
+            raise AttrError(f"op attribute {self.name!r} holds an item that is not "
+                            f"{_type_name(self.element)}")
+
+    def __repr__(self) -> str:
+        return f"Attr({self.name!r})"
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
+
+
+def check_attrs(attrs: dict) -> None:
+    """Every key is an ``Attr`` and every value has its key's type."""
+    for key, value in attrs.items():
+        if not isinstance(key, Attr):
+            raise AttrError(f"op attribute key {key!r} is not a declared Attr "
+                            "(autopar.ir.attrs)")
+        key.check(value)
+
+
+NAME: Attr[str] = Attr("name", str, "an input's feed name or a state's name")
+STATE: Attr[StateKind] = Attr("state", StateKind, "what kind of state a STATE op reads")
+SLOTS: Attr[tuple] = Attr("slots", tuple, "what each result of the output op means",
+                          element=Slot)
+CONST: Attr[torch.Tensor] = Attr("const", torch.Tensor,
+                                 "the value of a constant state the trace baked in")
+MULTI: Attr[bool] = Attr("multi", bool, "the kernel returns a sequence, even of one value")
+STRIDES: Attr[tuple] = Attr("strides", tuple,
+                            "a random op's traced output strides (None: not a tensor)")
+DIST: Attr[DistAttr] = Attr("dist", DistAttr, "a placement annotation's placement",
+                            shown=True)
+PINNED_DIMS: Attr[tuple] = Attr("mesh_dims", tuple,
+                                "the mesh dims an annotation pins (absent: all)", shown=True,
+                                element=int)
+ORIGIN: Attr[str] = Attr("origin", str, "what made an annotation op", shown=True)
+COMM_TEXT: Attr[str] = Attr("step", str, "a comm op's collective, in words", shown=True)
+LOCAL_NOTE: Attr[str] = Attr("local_note", str, "why a rank's call differs from the global "
+                             "one", shown=True)
+DECOMPOSES: Attr[str] = Attr("decomposes", str, "the fused op a decomposition replaced",
+                             shown=True)

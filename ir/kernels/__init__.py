@@ -1,0 +1,11 @@
+"""The kernels of autopar's own op targets, registered in the op table (``ir.ops``) with
+their traits as this package loads:
+
+* ``sharded`` — what a rank runs for an op on sharded pieces when the ATen call cannot say
+  it (vocab-parallel embedding and nll_loss, means over a global count, empty pieces,
+  the annotation identity); the local forms in ``spmd/local_forms`` choose them;
+* ``random`` — a rank's slice of one global random draw;
+* ``pipeline`` — a micro-batch's slice or term of a value, restoring the generator;
+* ``optim`` — torch.optim's own update functions, one param or one param group per call.
+"""
+from . import optim, pipeline, random, sharded  # noqa: F401

@@ -1,0 +1,64 @@
+"""A rank's slice of one global random tensor, drawn exactly as the single-device run draws
+it: every rank draws the global tensor from the same generator state (in the strides the
+trace recorded, since CPU kernels draw in the order they walk memory) and keeps its slice.
+The local forms that choose these kernels are ``spmd/local_forms/random.py``."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..ops import kernel, resolve
+
+Bounds = Sequence[Sequence[int]]
+
+
+def _is_global(x: torch.Tensor, shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether ``x`` is the whole global tensor laid out as traced."""
+    return tuple(x.shape) == tuple(shape) and tuple(x.stride()) == tuple(strides)
+
+
+def _slice(full: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+    return full[tuple(slice(a, b) for a, b in bounds)]
+
+
+@kernel("autopar.sliced_random", random=True, mutates=True)
+def sliced_random(target: str, global_shape: Sequence[int], strides: Sequence[int],
+                  bounds: Bounds, inplace: bool, template: torch.Tensor | None, *args,
+                  **kwargs):
+    """Run random ``target`` at the global shape, in the traced ``strides``, and keep the
+    piece at ``bounds``.
+
+    ``template`` is the op's first (shape-giving) tensor argument, whose values the op
+    ignores (``bernoulli_.float``, ``rand_like`` ...); None for factories, whose size
+    arguments are global already (their results are contiguous). In-place ops fill
+    ``template`` with the piece.
+    """
+    fn = resolve(target)
+    if template is None:
+        full = fn(*args, **kwargs)
+    elif _is_global(template, global_shape, strides):
+        return fn(template, *args, **kwargs)      # the rank holds the traced tensor itself
+    else:
+        full = fn(template.new_empty_strided(tuple(global_shape), tuple(strides)),
+                  *args, **kwargs)
+    piece = _slice(full, bounds)
+    if inplace:
+        return template.copy_(piece)
+    return piece.clone() if piece.shape != full.shape else full
+
+
+@kernel("autopar.sliced_native_dropout", random=True)
+def sliced_native_dropout(x: torch.Tensor, p: float, train: bool | None,
+                          global_shape: Sequence[int], mask_strides: Sequence[int],
+                          bounds: Bounds):
+    """native_dropout's mask is drawn at the global shape in the traced mask strides (on
+    ones: the mask does not depend on the values, and the kernel lays it out like its
+    input) and sliced; the output is the piece times the mask, scaled, as the kernel does."""
+    if _is_global(x, global_shape, mask_strides):
+        return torch.ops.aten.native_dropout.default(x, p, train)
+    ones = x.new_empty_strided(tuple(global_shape), tuple(mask_strides)).fill_(1)
+    _, mask = torch.ops.aten.native_dropout.default(ones, p, train)
+    mask = _slice(mask, bounds).clone()
+    scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+    return x.mul(mask).mul_(scale), mask
