@@ -22,7 +22,8 @@ from ..annotations import param_annotation
 from ..ir import Program, Slot, StateKind
 from ..ir.capture import StepSpec, capture, flatten_batch
 from ..ir.dist import ProcessMesh
-from ..passes.context import PassContext
+from ..passes.context import PassContext, PlanInputs
+from ..passes.parallel_layout import ParallelLayout
 from ..passes.explain import explain_value
 from ..passes.lower_optimizer import initial_state
 from ..passes.manager import PassManager
@@ -82,6 +83,7 @@ class Engine:
         if self._session is not None and self._session.strategy is not None:
             self.strategy = self._session.strategy
         _check_plannable(self.strategy)
+        self.layout = ParallelLayout.of(self.strategy)
         self.dump_dir = self.strategy.resolved_dump_dir(os.environ)
         if self._session is not None and self._session.dump_dir is not None:
             self.dump_dir = self._session.dump_dir
@@ -230,24 +232,24 @@ class Engine:
 
     def _plan_once(self, mode: str, inputs: Any, labels: Any) -> Plan:
         captured = capture(self.model, self.loss, inputs, labels, mode=mode)
-        ctx = PassContext(self.strategy, self.optimizer, self.param_names, mode=mode,
-                          rank=self.launch_rank if self.distributed else 0,
-                          world_size=self.launch_world_size,
-                          param_annotations=self._param_annotations(),
-                          kept_placements=dict(self._kept),
-                          pipeline=self.strategy.pipeline_layout(),
-                          micro_batches=self._micro_batches(mode, inputs, labels))
+        inputs_ = PlanInputs(self.strategy, mode, self.optimizer, self.param_names,
+                             self.layout.mesh, self.layout.pipeline,
+                             self._micro_batches(mode, inputs, labels),
+                             self._param_annotations(), dict(self._kept),
+                             rank=self.launch_rank if self.distributed else 0)
+        ctx = PassContext(inputs_)
         manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
         program = manager.run(captured.program, ctx)
         for op in program.states(StateKind.PARAM):
             if op.result.dist is not None:
                 self._kept.setdefault(op.attrs[NAME], op.result.dist)
-        plan = Plan(captured.spec, program, dict(manager.timings), ctx.mesh)
-        if ctx.pipeline is not None:
-            plan.pipeline = plan_pipeline(program, ctx.pipeline, ctx.schedule)
+        mesh, pipeline = ctx.state.mesh, ctx.state.pipeline
+        plan = Plan(captured.spec, program, dict(manager.timings), mesh)
+        if pipeline is not None:
+            plan.pipeline = plan_pipeline(program, pipeline, ctx.state.schedule)
             self._dump_jobs(program, plan.pipeline, manager, ctx)
-        elif ctx.mesh is not None and ctx.mesh.size > 1:
-            plan.local = self._partition(program, ctx.mesh, manager, ctx)
+        elif mesh is not None and mesh.size > 1:
+            plan.local = self._partition(program, mesh, manager, ctx)
         return plan
 
     def _partition(self, program: Program, mesh: ProcessMesh, manager: PassManager,
@@ -256,7 +258,7 @@ class Engine:
         every rank's (when dumping) and keep none."""
         if self.distributed and self._session is None:
             local = partition(program, mesh.coordinate(self.launch_rank))
-            manager.dump_rank_program(local, "partition", ctx.rank, ctx)
+            manager.dump_rank_program(local, "partition", ctx.inputs.rank, ctx)
             return local
         if self.dump_dir is not None:
             for rank in mesh.process_ids:

@@ -38,7 +38,7 @@ EARLY = 8                # ops between a value and its first reader that make wa
 
 def bucket_collectives(program: Program, ctx: PassContext) -> Program:
     cap = _bucket_bytes(ctx)
-    if ctx.mesh is None or cap == 0:
+    if ctx.state.mesh is None or cap == 0:
         return program
     position = {op: i for i, op in enumerate(program.ops)}
     first_reader = _first_readers(program, position)

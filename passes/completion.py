@@ -47,9 +47,9 @@ class MissingRuleWarning(UserWarning):
 
 
 def completion(program: Program, ctx: PassContext) -> Program:
-    if ctx.mesh is None:
+    if ctx.state.mesh is None:
         return program
-    _Completion(program, ctx.mesh, ctx.strategy.debug.strict_rules).run()
+    _Completion(program, ctx.state.mesh, ctx.strategy.debug.strict_rules).run()
     return program
 
 

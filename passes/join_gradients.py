@@ -21,9 +21,9 @@ from ..reshard.comm import RESHARD_STEP
 
 
 def join_gradients(program: Program, ctx: PassContext) -> Program:
-    if ctx.pipeline is None or ctx.pipeline.micro_batches == 1:
+    if ctx.state.pipeline is None or ctx.state.pipeline.micro_batches == 1:
         return program
-    mb = micro_batch_dim(ctx.mesh)
+    mb = micro_batch_dim(ctx.state.mesh)
     users = program.users()
     for total in [op for op in program.ops if _sums_over(op, mb)]:
         add = total.args[0].producer

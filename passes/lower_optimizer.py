@@ -78,7 +78,7 @@ def _state_type(param_value: Value, state: torch.Tensor | None) -> TensorType:
 
 
 def lower_optimizer(program: Program, ctx: PassContext) -> Program:
-    optimizer = ctx.optimizer
+    optimizer = ctx.inputs.optimizer
     if optimizer is None or ctx.mode != "train":
         return program
     rule = rule_for(optimizer)
@@ -89,8 +89,8 @@ def lower_optimizer(program: Program, ctx: PassContext) -> Program:
         hparams = program.add(Op(OpKind.INPUT, "input", outputs=[Value(OpaqueType("hparams"))],
                                  role=Role.OPTIMIZER, attrs={NAME: f"param_groups/{index}"}))
         # torch skips parameters without a gradient
-        names = [n for n in (ctx.name_of(p) for p in group["params"]) if n in grads]
-        tensors = {ctx.name_of(p): p for p in group["params"]}
+        names = [n for n in (ctx.inputs.name_of(p) for p in group["params"]) if n in grads]
+        tensors = {ctx.inputs.name_of(p): p for p in group["params"]}
         states = {n: _declare_states(program, n, params[n],
                                      initial_state(optimizer, group, tensors[n],
                                                    like=tensors[n].detach().to("meta")))

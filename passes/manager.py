@@ -1,5 +1,12 @@
-"""The ordered list of passes and the loop that runs them: time each, verify between them
-(debug), dump each rank's program after each to ``<dump_dir>/rank<r>/<NN>_<pass>.txt``."""
+"""The ordered list of passes and the loop that runs them: check each pass's declared needs,
+time it, verify the program after it (debug), and dump each rank's program after it to
+``<dump_dir>/rank<r>/<NN>_<pass>.txt``.
+
+A pass is a plain function ``(program, ctx) -> program`` with a name, the facts it needs
+(``Fact``: made by an earlier pass) and the facts it makes. A pass that needs a fact no
+earlier pass made fails before it runs, naming the pass that makes it; so disabling a pass
+(``PassManager(disabled=...)``) is refused where a later pass depends on it.
+"""
 from __future__ import annotations
 
 import time
@@ -8,21 +15,25 @@ from pathlib import Path
 from typing import Callable
 
 from ..ir import Program, format_program, verify
-from .annotate import annotate
+from .bucket_collectives import bucket_collectives
+from .assign_phases import assign_phases
 from .clip_grad import clip_grad
 from .completion import completion
-from .context import PassContext
+from .context import Fact, FactError, PassContext
 from .dead_code import dead_code
 from .decompose_loss import decompose_loss
 from .explain import format_explanations
 from .fold_noops import fold_noops
 from .join_gradients import join_gradients
 from .lower_optimizer import lower_optimizer
-from .bucket_collectives import bucket_collectives
-from .pipeline_jobs import pipeline_jobs
+from .pin_annotations import pin_annotations
 from .reshard import reshard
-from .schedule import format_schedule, schedule
+from .schedule_pipeline import format_schedule, schedule_pipeline
+from .sequence_parallel import sequence_parallel
+from .settle_mesh import settle_mesh
+from .shard_batch import shard_batch
 from .split_stages import split_stages
+from .tensor_parallel_plan import tensor_parallel_plan
 from .vocab_parallel_loss import vocab_parallel_loss
 
 PassFn = Callable[[Program, PassContext], Program]
@@ -30,34 +41,47 @@ Report = Callable[[Program, PassContext], str]
 
 
 def _explanations(program: Program, ctx: PassContext) -> str:
-    return format_explanations(program) if ctx.mesh is not None else ""
+    return format_explanations(program) if ctx.state.mesh is not None else ""
 
 
 @dataclass(frozen=True)
 class Pass:
     name: str
     run: PassFn
+    needs: frozenset[Fact] = frozenset()
+    makes: frozenset[Fact] = frozenset()
     # extra dumps next to the program, ``NN_<name>.<suffix>.txt`` (skipped when empty)
     reports: tuple[tuple[str, Report], ...] = ()
 
 
-# The passes, in order; each rank's local program (partition) and a pipeline's jobs are cut
-# from the result.
+def _pass(name: str, run: PassFn, needs: tuple[Fact, ...] = (), makes: tuple[Fact, ...] = (),
+          reports: tuple[tuple[str, Report], ...] = ()) -> Pass:
+    return Pass(name, run, frozenset(needs), frozenset(makes), reports)
+
+
+F = Fact
+# The passes, in order; lowering (``autopar.lower``) makes each rank's program from the result.
 PIPELINE: tuple[Pass, ...] = (
-    Pass("decompose_loss", decompose_loss),
-    Pass("fold_noops", fold_noops),
-    Pass("dead_code", dead_code),
-    Pass("clip_grad", clip_grad),
-    Pass("lower_optimizer", lower_optimizer),
-    Pass("vocab_parallel_loss", vocab_parallel_loss),
-    Pass("annotate", annotate),
-    Pass("split_stages", split_stages),
-    Pass("completion", completion, reports=(("explain", _explanations),)),
-    Pass("reshard", reshard),
-    Pass("bucket_collectives", bucket_collectives),
-    Pass("join_gradients", join_gradients),
-    Pass("pipeline_jobs", pipeline_jobs),
-    Pass("schedule", schedule, reports=(("jobs", format_schedule),)),
+    _pass("decompose_loss", decompose_loss),
+    _pass("fold_noops", fold_noops),
+    _pass("dead_code", dead_code),
+    _pass("clip_grad", clip_grad),
+    _pass("lower_optimizer", lower_optimizer, makes=(F.OPTIMIZER,)),
+    _pass("vocab_parallel_loss", vocab_parallel_loss),
+    _pass("settle_mesh", settle_mesh, makes=(F.MESH,)),
+    _pass("pin_annotations", pin_annotations, needs=(F.MESH,)),
+    _pass("tensor_parallel_plan", tensor_parallel_plan, needs=(F.MESH,)),
+    _pass("sequence_parallel", sequence_parallel, needs=(F.MESH,)),
+    _pass("shard_batch", shard_batch, needs=(F.MESH,)),
+    _pass("split_stages", split_stages, needs=(F.MESH,), makes=(F.STAGES,)),
+    _pass("completion", completion, needs=(F.MESH,), makes=(F.PLACED,),
+          reports=(("explain", _explanations),)),
+    _pass("reshard", reshard, needs=(F.PLACED,), makes=(F.RESHARDED,)),
+    _pass("bucket_collectives", bucket_collectives, needs=(F.RESHARDED, F.STAGES)),
+    _pass("join_gradients", join_gradients, needs=(F.RESHARDED, F.STAGES)),
+    _pass("assign_phases", assign_phases, needs=(F.RESHARDED, F.STAGES), makes=(F.PHASES,)),
+    _pass("schedule_pipeline", schedule_pipeline, needs=(F.PHASES,), makes=(F.SCHEDULE,),
+          reports=(("jobs", format_schedule),)),
 )
 
 
@@ -79,46 +103,60 @@ class PassManager:
         for number, p in enumerate(self.passes, start=1):
             if p.name in self.disabled:
                 continue
+            self._check_needs(p, ctx)
             start = time.perf_counter()
             try:
                 program = p.run(program, ctx)
             except Exception as exc:
-                exc.add_note(f"autopar: while running pass '{p.name}' (rank {ctx.rank}, "
+                exc.add_note(f"autopar: while running pass '{p.name}' (rank {ctx.inputs.rank}, "
                              f"mode {ctx.mode})")
                 raise
             self.timings[p.name] = time.perf_counter() - start
+            ctx.state.made |= p.makes
             self._check(program, p.name, ctx, number, p.reports)
         self._dump_timings(ctx)
         return program
-
-    def _dump_timings(self, ctx: PassContext) -> None:
-        if self.dump_dir is None:
-            return
-        prefix = "" if ctx.mode == "train" else f"{ctx.mode}_"
-        lines = [f"{name:<24} {seconds * 1e3:9.2f} ms" for name, seconds in self.timings.items()]
-        path = Path(self.dump_dir) / f"rank{ctx.rank}" / f"{prefix}timings.txt"
-        path.write_text("\n".join(lines) + "\n")
 
     def dump_rank_program(self, program: Program, name: str, rank: int,
                           ctx: PassContext) -> None:
         """Check and dump one rank's program made after the pipeline (its partition),
         numbered after the last pass."""
-        self._check(program, name, ctx, len(self.passes) + 1, rank=rank)
+        if self.verify:
+            verify(program)
+        self.dump_rank_text(format_program(program), name, rank, ctx)
 
     def dump_rank_text(self, text: str, name: str, rank: int, ctx: PassContext) -> None:
-        """Dump what was made of one rank after the passes (a pipeline rank's jobs),
-        numbered after the last pass."""
         if self.dump_dir is None:
             return
-        prefix = "" if ctx.mode == "train" else f"{ctx.mode}_"
         number = len(self.passes) + 1
-        path = Path(self.dump_dir) / f"rank{rank}" / f"{prefix}{number:02d}_{name}.txt"
+        path = Path(self.dump_dir) / f"rank{rank}" / f"{self._prefix(ctx)}{number:02d}_{name}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         self.dumped.append(path)
 
+    def _check_needs(self, p: Pass, ctx: PassContext) -> None:
+        missing = p.needs - ctx.state.made
+        if not missing:
+            return
+        makers = {f: [q.name for q in self.passes if f in q.makes] for f in missing}
+        why = "; ".join(
+            f"{f.value!r}, made by {' or '.join(makers[f]) or 'no pass'}"
+            + (" (disabled)" if any(m in self.disabled for m in makers[f]) else "")
+            for f in sorted(missing, key=lambda f: f.value))
+        raise FactError(f"pass '{p.name}' needs {why}")
+
+    def _prefix(self, ctx: PassContext) -> str:
+        return "" if ctx.mode == "train" else f"{ctx.mode}_"
+
+    def _dump_timings(self, ctx: PassContext) -> None:
+        if self.dump_dir is None:
+            return
+        lines = [f"{name:<24} {seconds * 1e3:9.2f} ms" for name, seconds in self.timings.items()]
+        path = Path(self.dump_dir) / f"rank{ctx.inputs.rank}" / f"{self._prefix(ctx)}timings.txt"
+        path.write_text("\n".join(lines) + "\n")
+
     def _check(self, program: Program, name: str, ctx: PassContext, number: int,
-               reports: tuple[tuple[str, Report], ...] = (), rank: int | None = None) -> None:
+               reports: tuple[tuple[str, Report], ...] = ()) -> None:
         if self.verify:
             try:
                 verify(program)
@@ -126,9 +164,8 @@ class PassManager:
                 exc.add_note(f"autopar: the program is invalid after pass '{name}'")
                 raise
         if self.dump_dir is not None:
-            prefix = "" if ctx.mode == "train" else f"{ctx.mode}_"
-            rank = ctx.rank if rank is None else rank
-            path = Path(self.dump_dir) / f"rank{rank}" / f"{prefix}{number:02d}_{name}.txt"
+            path = (Path(self.dump_dir) / f"rank{ctx.inputs.rank}"
+                    / f"{self._prefix(ctx)}{number:02d}_{name}.txt")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(format_program(program))
             self.dumped.append(path)

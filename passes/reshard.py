@@ -23,7 +23,7 @@ from ..reshard.comm import FOR_ROLE, FOR_TARGET, RESHARD_STEP
 
 
 def reshard(program: Program, ctx: PassContext) -> Program:
-    if ctx.mesh is None:
+    if ctx.state.mesh is None:
         return program
     moved: dict[tuple[Value, DistAttr], Value] = {}
     plans: dict[tuple, list] = {}    # identical layers move identical tensors: plan once

@@ -12,7 +12,7 @@ The forward is cut, in program order, at the op where each stage begins:
 
 The loss runs on the last stage; a backward op runs on the stage of the forward op it
 differentiates. Every other op (comm, optimizer, state, gradient sums) is placed later, by
-``pipeline_jobs``, near the values it reads or the ops that need it.
+``assign_phases``, near the values it reads or the ops that need it.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class StageSplitError(ValueError):
 
 
 def split_stages(program: Program, ctx: PassContext) -> Program:
-    layout = ctx.pipeline
+    layout = ctx.state.pipeline
     if layout is None:
         return program
     forward = [op for op in program.ops if op.kind is OpKind.CALL and op.role is Role.FORWARD]
@@ -114,9 +114,9 @@ def _starts_from_meshes(forward: list[Op], ctx: PassContext) -> list[int]:
     for i, op in enumerate(forward):
         hint = op.attrs.get(STAGE_HINT)
         if hint is None:
-            hint = next((ctx.param_stages[name] for v in op.inputs
+            hint = next((ctx.state.param_stages[name] for v in op.inputs
                          if v.producer is not None and v.producer.kind is OpKind.STATE
-                         and (name := v.producer.attrs[NAME]) in ctx.param_stages
+                         and (name := v.producer.attrs[NAME]) in ctx.state.param_stages
                          and _inside(op, name.rpartition(".")[0])), None)
         if hint is not None:
             hints.append((i, hint, op))

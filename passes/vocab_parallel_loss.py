@@ -72,7 +72,7 @@ def classes_may_shard(program: Program, ctx: PassContext) -> bool:
     a mesh dim of more than one rank."""
     if ctx.strategy.degree("tensor_parallel") > 1:
         return True
-    dists = list(ctx.param_annotations.values())
+    dists = list(ctx.inputs.param_annotations.values())
     dists += [decode(op.args[1]) for op in program.ops
               if op.kind is OpKind.CALL and op.target == ANNOTATE_TARGET]
     return any(_shards(d) for d in dists)

@@ -312,7 +312,7 @@ class _Planner:
                                        key=plan.order.index)
 
     def _source(self, v: Value, plan: RankPlan) -> tuple[int, Phase]:
-        """The home another rank makes ``v`` in (the pipeline_jobs pass checked one fits)."""
+        """The home another rank makes ``v`` in (the assign_phases pass checked one fits)."""
         op = v.producer
         if BOUNDARY in op.attrs:
             stage, phase = homes_of(op)[0]
@@ -355,7 +355,7 @@ class _Planner:
 
 def plan_pipeline(program: Program, layout: PipelineLayout, schedule) -> PipelinePlan:
     """Every rank's jobs and every message of one pipelined step of ``program`` (after the
-    ``pipeline_jobs`` and ``schedule`` passes)."""
+    ``assign_phases`` and ``schedule_pipeline`` passes)."""
     plan = _Planner(program, layout, schedule).run()
     check_messages(plan)
     return plan

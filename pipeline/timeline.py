@@ -165,6 +165,19 @@ class Timeline:
         return 1.0 - busy / (self.ranks * self.makespan)
 
 
+@dataclass
+class PipelineSchedule:
+    """A pipeline's job order for one program (the ``schedule_pipeline`` pass's result):
+    every rank's jobs, each (stage, job kind)'s FLOPs per micro-batch, and the timeline
+    they play out on with those costs."""
+
+    name: str
+    jobs: list[list[Job]]                     # per pipeline rank, in order
+    costs: dict[tuple[int, str], float]       # (stage, job kind) -> FLOPs per micro-batch
+    timeline: Timeline
+    forward_only: bool
+
+
 def unit_cost(job: Job) -> float:
     """F = B = W = 1."""
     return 1.0

@@ -5,6 +5,10 @@ the whole strategy: each ``axis`` is a dim of the mesh, parallel sections do not
 one axis, the world size fits the mesh, and the engine can refuse sections it does not
 implement yet instead of silently ignoring them. No code here reads the environment: the
 engine passes ``os.environ`` where an override applies.
+
+The strategy is pure data: it imports nothing of autopar's. What needs the mesh as a
+``ProcessMesh`` or a schedule's rules is checked where the strategy is interpreted
+(``passes.parallel_layout``).
 """
 
 from __future__ import annotations
@@ -14,12 +18,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from pydantic import BaseModel, Field, model_validator
-
-from ..ir.dist import ProcessMesh
-from ..pipeline.layout import PipelineLayout
-from ..pipeline.schedules import check_schedule_args
 
 from .sections import (
     STRICT,
@@ -133,7 +132,7 @@ class Strategy(BaseModel):
     def _fits_mesh(self) -> Strategy:
         """All cross-section problems at once, each with the mesh they were checked against."""
         problems = (self._axis_problems() + self._shared_axis_problems()
-                    + self._split_problems() + self._schedule_problems())
+                    + self._split_problems())
         if problems:
             raise ValueError(f"strategy does not fit its mesh ({self.describe_mesh()}):\n  - "
                              + "\n  - ".join(problems))
@@ -173,42 +172,12 @@ class Strategy(BaseModel):
                 f"but axis {pipe.axis!r} of size {size} x vpp_chunks {pipe.vpp_chunks} = "
                 f"{stages} stages needs {stages - 1}"]
 
-    def _schedule_problems(self) -> list[str]:
-        """What the schedule needs of the micro-batch count (1F1B: at least one per rank)."""
-        pipe = self.pipeline
-        if pipe is None or self.mesh is None or pipe.axis not in self.mesh.dim_names:
-            return []
-        try:
-            check_schedule_args(pipe.schedule, self.mesh.axis_size(pipe.axis),
-                                pipe.micro_batches, pipe.vpp_chunks)
-        except ValueError as err:
-            return [f"pipeline: {err}"]
-        return []
-
     # ---- facts --------------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
         """Processes the strategy runs on: the mesh size, 1 without a mesh."""
         return self.mesh.size if self.mesh is not None else 1
-
-    def pipeline_layout(self) -> PipelineLayout | None:
-        """The pipeline's stages on the strategy mesh; None without a pipeline section or
-        when its stages come from annotated meshes (no mesh)."""
-        if self.pipeline is None or self.mesh is None:
-            return None
-        ids = np.arange(self.mesh.size).reshape(self.mesh.shape)
-        mesh = ProcessMesh(ids, self.mesh.dim_names)
-        pipe = self.pipeline
-        return PipelineLayout.from_mesh(mesh, pipe.axis, pipe.micro_batches, pipe.schedule,
-                                        pipe.vpp_chunks, pipe.split)
-
-    def process_mesh(self) -> ProcessMesh | None:
-        """The mesh as a ProcessMesh over ranks 0..n-1 in row-major order; None when serial."""
-        if self.mesh is None or not self.mesh.is_enabled:
-            return None
-        ids = np.arange(self.mesh.size).reshape(self.mesh.shape)
-        return ProcessMesh(ids, self.mesh.dim_names)
 
     def degree(self, section: str) -> int:
         """Ranks a parallel section spans: its axis size when on, 1 when off or absent."""

@@ -15,7 +15,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..ir.dist import MICRO_BATCH_DIM
 from .yaml_io import dump_flow
 
 # Mesh dim names are printed in IR dumps and placements, so they are plain identifiers.
@@ -96,9 +95,6 @@ class MeshConfig(Section):
         repeated = sorted({n for n in self.dim_names if self.dim_names.count(n) > 1})
         if repeated:
             raise ValueError(f"mesh dim_names {list(self.dim_names)} repeat {repeated}")
-        if MICRO_BATCH_DIM in self.dim_names:
-            raise ValueError(f"mesh dim name {MICRO_BATCH_DIM!r} is reserved for a pipeline's "
-                             f"micro-batches (dim_names {list(self.dim_names)}); rename it")
         return self
 
     @property

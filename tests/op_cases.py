@@ -20,7 +20,7 @@ from autopar.ir.capture import capture
 from autopar.ir.attrs import STRIDES
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.passes.context import PassContext
+from autopar.passes.context import PassContext, PlanInputs
 from autopar.passes.decompose_loss import decompose_loss
 from autopar.passes.manager import PassManager
 from autopar.ir.ops import op_info, resolve
@@ -121,7 +121,8 @@ def _program(model, loss, batch, decompose: bool) -> tuple[Program, torch.optim.
     program = capture(model, loss, inputs, labels, mode="train").program
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     strategy = Strategy(grad_clip={"max_norm": 1.0})
-    ctx = PassContext(strategy, optimizer, {id(p): n for n, p in model.named_parameters()})
+    ctx = PassContext(PlanInputs.of(strategy, optimizer=optimizer, param_names={
+        id(p): n for n, p in model.named_parameters()}))
     program = PassManager().run(program, ctx)
     if decompose:      # a no-op if the pipeline already decomposed the mean loss
         program = decompose_loss(program, ctx)

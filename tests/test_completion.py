@@ -12,7 +12,7 @@ from torch import nn
 import autopar as ap
 from autopar.ir import OpKind, Role
 from autopar.ir.dist import Partial, Replicate, Shard
-from autopar.passes.annotate import AnnotationError
+from autopar.passes.pinning import AnnotationError
 from autopar.passes.completion import MissingRuleError, MissingRuleWarning
 from autopar.passes.explain import describe_reason, planned_moves
 
@@ -275,8 +275,8 @@ def test_offline_planning_of_a_64_rank_mesh_in_one_process(tmp_path):
     engine, program = _plan(model, strategy, ids, ids, loss=lm_loss)
     assert program.states()[0].result.dist.mesh.size == 64
     dumped = {p.name for p in (tmp_path / "rank0").iterdir()}
-    assert {"09_completion.txt", "09_completion.explain.txt"} <= dumped
-    text = (tmp_path / "rank0" / "09_completion.txt").read_text()
+    assert {"13_completion.txt", "13_completion.explain.txt"} <= dumped
+    text = (tmp_path / "rank0" / "13_completion.txt").read_text()
     assert "{S(0),P(sum)}" in text and "reshard" in text
     with pytest.raises(ValueError, match="64 ranks but WORLD_SIZE is 1.*torchrun"):
         engine.fit([(row, row) for row in ids], batch_size=16, verbose=0)
@@ -290,7 +290,7 @@ def test_cli_plans_an_unmodified_script_and_explains(capsys, tmp_path):
     assert "mesh: mesh[2](dp)" in out
     assert "all_reduce" in out and "on dp" in out
     assert "explain grad[blocks.0.fc1.weight]" in out and "data_parallel.axis dp" in out
-    assert (tmp_path / "rank0" / "09_completion.txt").exists()
+    assert (tmp_path / "rank0" / "13_completion.txt").exists()
 
 
 def test_serial_programs_are_not_placed():

@@ -68,9 +68,11 @@ def test_prepare_plans_without_running_and_dumps_every_pass(tmp_path, monkeypatc
     files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
     assert files == ["00_capture.txt", "01_decompose_loss.txt", "02_fold_noops.txt",
                      "03_dead_code.txt", "04_clip_grad.txt", "05_lower_optimizer.txt",
-                     "06_vocab_parallel_loss.txt", "07_annotate.txt", "08_split_stages.txt",
-                     "09_completion.txt", "10_reshard.txt", "11_bucket_collectives.txt",
-                     "12_join_gradients.txt", "13_pipeline_jobs.txt", "14_schedule.txt",
+                     "06_vocab_parallel_loss.txt", "07_settle_mesh.txt",
+                     "08_pin_annotations.txt", "09_tensor_parallel_plan.txt",
+                     "10_sequence_parallel.txt", "11_shard_batch.txt", "12_split_stages.txt",
+                     "13_completion.txt", "14_reshard.txt", "15_bucket_collectives.txt",
+                     "16_join_gradients.txt", "17_assign_phases.txt", "18_schedule_pipeline.txt",
                      "timings.txt"]
     assert "lower_optimizer" in (tmp_path / "rank0" / "timings.txt").read_text()
     final = (tmp_path / "rank0" / "05_lower_optimizer.txt").read_text()

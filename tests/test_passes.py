@@ -6,7 +6,7 @@ from autopar.ir import OpKind, Program, format_program, verify
 from autopar.ir.capture import capture
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.passes.context import PassContext
+from autopar.passes.context import PassContext, PlanInputs
 from autopar.passes.dead_code import dead_code
 from autopar.passes.fold_noops import fold_noops
 from autopar.passes.manager import PassManager
@@ -27,7 +27,7 @@ def _targets(program: Program) -> list[str]:
 def test_fold_noops_removes_detach_and_double_transpose():
     program = _gpt_program()
     assert "aten.detach.default" in _targets(program)
-    folded = fold_noops(program, PassContext(Strategy()))
+    folded = fold_noops(program, PassContext(PlanInputs.of(Strategy())))
     verify(folded)
     assert "aten.detach.default" not in _targets(folded)
     for op in folded.ops:
@@ -40,7 +40,7 @@ def test_dead_code_drops_unused_ops_but_keeps_results():
     program = _gpt_program()
     results_before = [slot for slot, _ in program.results()]
     before = len(program.ops)
-    pruned = dead_code(program, PassContext(Strategy()))
+    pruned = dead_code(program, PassContext(PlanInputs.of(Strategy())))
     verify(pruned)
     assert len(pruned.ops) <= before
     assert [slot for slot, _ in pruned.results()] == results_before
@@ -52,7 +52,7 @@ def test_dead_code_drops_unused_ops_but_keeps_results():
 
 def test_manager_refuses_unknown_disabled_pass_and_names_failing_pass():
     with pytest.raises(ValueError, match="unknown passes"):
-        PassManager(disabled=frozenset({"nope"})).run(_gpt_program(), PassContext(Strategy()))
+        PassManager(disabled=frozenset({"nope"})).run(_gpt_program(), PassContext(PlanInputs.of(Strategy())))
 
     def broken(program, ctx):
         program.ops.pop(0)          # drops a definition: the verifier must catch it
@@ -61,11 +61,12 @@ def test_manager_refuses_unknown_disabled_pass_and_names_failing_pass():
     from autopar.passes.manager import Pass
     manager = PassManager(passes=(Pass("broken", broken),))
     with pytest.raises(Exception) as info:
-        manager.run(_gpt_program(), PassContext(Strategy()))
+        manager.run(_gpt_program(), PassContext(PlanInputs.of(Strategy())))
     assert "after pass 'broken'" in "\n".join(getattr(info.value, "__notes__", []))
 
 
 def test_passes_keep_dumps_stable():
     a, b = _gpt_program(), _gpt_program()
-    ctx = PassContext(Strategy())
-    assert format_program(PassManager().run(a, ctx)) == format_program(PassManager().run(b, ctx))
+    inputs = PlanInputs.of(Strategy())
+    assert format_program(PassManager().run(a, PassContext(inputs))) == \
+        format_program(PassManager().run(b, PassContext(inputs)))

@@ -155,7 +155,7 @@ def test_real_gloo_ranks_train_like_eager(config, world, optim, tmp_path):
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == set(range(world))
     assert sum(e["name"].startswith("F") for e in spans) == STEPS * 4 * world
-    assert (tmp_path / "rank1" / "15_jobs.txt").exists()
+    assert (tmp_path / "rank1" / "19_jobs.txt").exists()
 
 
 def test_simulated_trace_is_the_schedule_timeline(tmp_path):

@@ -10,7 +10,7 @@ import autopar as ap
 from autopar.ir import Role, verify
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.passes.pipeline_jobs import PipelineError
+from autopar.passes.assign_phases import PipelineError
 from autopar.passes.split_stages import StageSplitError
 from autopar.pipeline.phases import STAGE
 from autopar.pipeline.job_programs import job_program, local_keys
@@ -129,14 +129,18 @@ def test_a_batch_that_does_not_divide_into_micro_batches_is_refused():
      "VPP needs micro_batches divisible by pipeline ranks"),
     ("pipeline: {axis: pp, schedule: ZBH1, micro_batches: 3}", "ZBH1 needs micro_batches"),
 ])
-def test_schedules_check_their_micro_batches_in_the_strategy(text, message):
+def test_schedules_check_their_micro_batches_when_the_engine_takes_the_strategy(text, message):
+    strategy = ap.Strategy.from_yaml_str("mesh: {shape: [4], dim_names: [pp]}\n" + text)
+    model = gpt(4)
     with pytest.raises(ValueError, match=message):
-        ap.Strategy.from_yaml_str("mesh: {shape: [4], dim_names: [pp]}\n" + text)
+        ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
 
 
 def test_the_micro_batch_dim_name_is_reserved():
+    strategy = ap.Strategy.from_yaml_str("mesh: {shape: [2, 2], dim_names: [pp, mb]}")
+    model = gpt(2)
     with pytest.raises(ValueError, match="'mb' is reserved"):
-        ap.Strategy.from_yaml_str("mesh: {shape: [2, 2], dim_names: [pp, mb]}")
+        ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
 
 
 class BatchStatistics(nn.Module):
@@ -216,13 +220,13 @@ def test_dumps_show_the_schedule_and_every_rank_s_jobs(tmp_path):
     s = pipeline().model_copy(update={"debug": ap.Strategy(
         debug={"dump_dir": str(tmp_path), "simulate": True}).debug})
     planned(gpt(4), s)
-    jobs = (tmp_path / "rank0" / "14_schedule.jobs.txt").read_text()
+    jobs = (tmp_path / "rank0" / "18_schedule_pipeline.jobs.txt").read_text()
     assert "rank 0 (stages [0], peak in-flight micro-batches 2): F0 F1 B0 F2 B1 F3 B2 B3" in jobs
     assert "bubble=" in jobs and "rank 1 " in jobs
-    rank1 = (tmp_path / "rank1" / "15_jobs.txt").read_text()
+    rank1 = (tmp_path / "rank1" / "19_jobs.txt").read_text()
     assert "# job F0@s1" in rank1 and "comm.recv()" in rank1 and "comm.send(" in rank1
     assert "accumulate[" in rank1 and "# job post" in rank1
-    stages = (tmp_path / "rank0" / "13_pipeline_jobs.txt").read_text()
+    stages = (tmp_path / "rank0" / "17_assign_phases.txt").read_text()
     assert "@s0:F" in stages and "@s1:B" in stages and "@s0,1:post" in stages
 
 

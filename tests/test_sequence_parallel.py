@@ -16,7 +16,7 @@ from autopar.ir import OpKind, Program
 from autopar.ir.dist import Shard
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.passes.annotate import AnnotationError
+from autopar.passes.pinning import AnnotationError
 
 from .models_zoo import MegatronMLP, mse
 from .parity import assert_same_losses, assert_same_params, eager_train, lm_data, twin

@@ -27,7 +27,7 @@ from autopar.ir.dist import (DistAttr, Partial, ProcessMesh, Shard, assemble,  #
                              parse_placements, shard_tensor_local)
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from autopar.passes.context import PassContext  # noqa: E402
+from autopar.passes.context import PassContext, PlanInputs  # noqa: E402
 from autopar.passes.manager import PIPELINE, PassManager  # noqa: E402
 from autopar.passes.vocab_parallel_loss import classes_may_shard  # noqa: E402
 from autopar.spmd import lookup  # noqa: E402
@@ -204,7 +204,8 @@ def _plan(strategy: ap.Strategy, loss=lm_loss) -> Program:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = lm_data(BATCH, SEQ, VOCAB)[0]
     program = capture(model, loss, x.repeat(BATCH, 1), y.repeat(BATCH, 1), mode="train").program
-    ctx = PassContext(strategy, optimizer, {id(p): n for n, p in model.named_parameters()})
+    ctx = PassContext(PlanInputs.of(strategy, optimizer=optimizer, param_names={
+        id(p): n for n, p in model.named_parameters()}))
     names = [p.name for p in PIPELINE]
     return PassManager(passes=PIPELINE[:names.index("reshard") + 1]).run(program, ctx)
 
@@ -271,17 +272,17 @@ def test_rewrite_condition():
     tp1 = ap.Strategy(mesh={"shape": [2, 1], "dim_names": ["dp", "tp"]},
                       tensor_parallel={"axis": "tp"})
     tp2 = ap.Strategy(mesh={"shape": [2], "dim_names": ["tp"]}, tensor_parallel={"axis": "tp"})
-    assert not classes_may_shard(program, PassContext(ap.Strategy()))
-    assert not classes_may_shard(program, PassContext(dp))
-    assert not classes_may_shard(program, PassContext(tp1))
-    assert classes_may_shard(program, PassContext(tp2))
+    assert not classes_may_shard(program, PassContext(PlanInputs.of(ap.Strategy())))
+    assert not classes_may_shard(program, PassContext(PlanInputs.of(dp)))
+    assert not classes_may_shard(program, PassContext(PlanInputs.of(tp1)))
+    assert classes_may_shard(program, PassContext(PlanInputs.of(tp2)))
     # shard_tensor alone (no tensor_parallel section) may shard the head's classes
     mesh = ProcessMesh([0, 1], dim_names=["x"])
-    annotated = PassContext(ap.Strategy(), param_annotations={
-        "head.weight": DistAttr(mesh, (Shard(0),))})
+    annotated = PassContext(PlanInputs.of(ap.Strategy(), param_annotations={
+        "head.weight": DistAttr(mesh, (Shard(0),))}))
     assert classes_may_shard(program, annotated)
-    one_rank = PassContext(ap.Strategy(), param_annotations={
-        "head.weight": DistAttr(ProcessMesh([0], dim_names=["x"]), (Shard(0),))})
+    one_rank = PassContext(PlanInputs.of(ap.Strategy(), param_annotations={
+        "head.weight": DistAttr(ProcessMesh([0], dim_names=["x"]), (Shard(0),))}))
     assert not classes_may_shard(program, one_rank)
 
 

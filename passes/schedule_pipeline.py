@@ -1,39 +1,27 @@
-"""Schedule: every pipeline rank's job order, F, B and W jobs over its stages and the
-micro-batches (``pipeline.schedules``), checked and played out on a timeline before anything
-runs: a schedule that could deadlock is refused here. Jobs are weighed by the FLOPs of the
-ops they run (``pipeline_jobs`` homes), so the picture shows this model's bubble.
+"""Schedule the pipeline: every pipeline rank's job order, F, B and W jobs over its stages
+and the micro-batches (``pipeline.schedules``), checked and played out on a timeline before
+anything runs: a schedule that could deadlock is refused here. Jobs are weighed by the FLOPs
+of the ops they run (the homes ``assign_phases`` gave them), so the picture shows this
+model's bubble.
 
-The program is unchanged; the schedule goes to ``ctx.schedule`` for the runtime, and the
-dump ``NN_schedule.jobs.txt`` lists every rank's jobs and draws them, ranks x time.
+The program is unchanged; the schedule is ``PlanState.schedule``, which lowering reads, and
+the dump ``NN_schedule_pipeline.jobs.txt`` lists every rank's jobs and draws them, ranks x
+time.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from ..ir import OpKind, Program
 from ..pipeline.cost import op_flops
 from ..pipeline.phases import Phase, homes_of
-from ..pipeline.schedules import Job, build_schedule, splits_backward
-from ..pipeline.timeline import Timeline, check_jobs, peak_in_flight, play, render, unit_cost
+from ..pipeline.schedules import build_schedule, splits_backward
+from ..pipeline.timeline import PipelineSchedule, check_jobs, peak_in_flight, play, render, unit_cost
 from .context import PassContext
 
 
-@dataclass
-class PipelineSchedule:
-    name: str
-    jobs: list[list[Job]]                     # per pipeline rank, in order
-    costs: dict[tuple[int, str], float]       # (stage, job kind) -> FLOPs per micro-batch
-    timeline: Timeline                        # played with those costs
-    forward_only: bool
-
-    @property
-    def split_backward(self) -> bool:
-        return not self.forward_only and splits_backward(self.name)
-
-
-def schedule(program: Program, ctx: PassContext) -> Program:
-    layout = ctx.pipeline
+def schedule_pipeline(program: Program, ctx: PassContext) -> Program:
+    layout = ctx.state.pipeline
     if layout is None:
+        ctx.state.set_schedule(None)
         return program
     forward_only = ctx.mode != "train"
     jobs = build_schedule(layout.schedule, layout.ranks, layout.micro_batches, layout.chunks,
@@ -43,7 +31,8 @@ def schedule(program: Program, ctx: PassContext) -> Program:
     costs = _job_costs(program)
     scale = max(costs.values(), default=1.0) or 1.0
     timeline = play(jobs, lambda job: max(costs.get((job.stage, job.kind), 0.0) / scale, 1e-3))
-    ctx.schedule = PipelineSchedule(layout.schedule, jobs, costs, timeline, forward_only)
+    ctx.state.set_schedule(PipelineSchedule(layout.schedule, jobs, costs, timeline,
+                                            forward_only))
     return program
 
 
@@ -61,7 +50,7 @@ def _job_costs(program: Program) -> dict[tuple[int, str], float]:
 def format_schedule(program: Program, ctx: PassContext) -> str:
     """Every rank's job order, then the schedule drawn with unit job costs (the textbook
     picture) and with this model's FLOPs."""
-    plan, layout = ctx.schedule, ctx.pipeline
+    plan, layout = ctx.state.schedule, ctx.state.pipeline
     if plan is None:
         return ""
     lines = [f"{layout.describe()}", ""]
@@ -76,4 +65,4 @@ def format_schedule(program: Program, ctx: PassContext) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["schedule", "format_schedule", "PipelineSchedule"]
+__all__ = ["schedule_pipeline", "format_schedule"]

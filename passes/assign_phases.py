@@ -1,5 +1,5 @@
-"""Pipeline jobs: where (which stage) and when (which phase) every op of the planned program
-runs, as ``op.attrs[HOMES]``; the runtime cuts each rank's jobs out of these.
+"""Assign phases: where (which stage) and when (which phase) every op of the planned program
+runs, as ``op.attrs[HOMES]``; lowering cuts each pipeline rank's jobs out of these.
 
 What varies per micro-batch is read off the data flow: everything computed from the batch
 inputs, up to the reductions over the ``mb`` mesh dim (``comm.all_reduce`` /
@@ -26,23 +26,22 @@ forward) is refused, naming it.
 from __future__ import annotations
 
 from ..ir import Op, OpKind, Program, Role, StateKind, Value
+from ..ir.attrs import COMM_TEXT, NAME, SLOTS, STATE
 from ..ir.dist import micro_batch_dim
 from ..ir.printer import value_names
-from ..pipeline.phases import BOUNDARY, HOMES, Home, Homes, Phase
+from ..pipeline.phases import BOUNDARY, HOMES, STAGE, Home, Homes, Phase
 from ..pipeline.schedules import splits_backward
 from ..reshard.steps import AllGather, AllReduce, MakePartial, Slice
-from .context import PassContext
-from ..ir.attrs import COMM_TEXT, NAME, SLOTS, STATE
-from ..pipeline.phases import STAGE
 from ..reshard.comm import BUCKET_STEPS, FOR_TARGET, RESHARD_STEP
+from .context import PassContext
 
 
 class PipelineError(ValueError):
     """The program cannot run as the pipeline the strategy asks for."""
 
 
-def pipeline_jobs(program: Program, ctx: PassContext) -> Program:
-    if ctx.pipeline is None:
+def assign_phases(program: Program, ctx: PassContext) -> Program:
+    if ctx.state.pipeline is None:
         return program
     _Jobs(program, ctx).run()
     return program
@@ -50,8 +49,8 @@ def pipeline_jobs(program: Program, ctx: PassContext) -> Program:
 
 class _Jobs:
     def __init__(self, program: Program, ctx: PassContext):
-        self.program, self.layout = program, ctx.pipeline
-        self.mb = micro_batch_dim(ctx.mesh)
+        self.program, self.layout = program, ctx.state.pipeline
+        self.mb = micro_batch_dim(ctx.state.mesh)
         self.many = self.layout.micro_batches > 1
         self.users = program.users()
         self.per_mb: set[Value] = set()
@@ -347,4 +346,4 @@ def _describe(op: Op) -> str:
     return f"{op.target.removesuffix('.default')} ({op.module or 'top level'} {op.role.value})"
 
 
-__all__ = ["pipeline_jobs", "PipelineError", "BOUNDARY"]
+__all__ = ["assign_phases", "PipelineError"]
