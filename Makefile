@@ -16,6 +16,8 @@ demo: $(VENV_STAMP)
 	$(PY) -m autopar demo
 
 test: $(VENV_STAMP)
+	.venv/bin/lint-imports
+	.venv/bin/ruff check .
 	$(PY) -m pytest tests
 
 bench: $(VENV_STAMP)

@@ -42,7 +42,8 @@ def run_demo(args: argparse.Namespace, argv: list[str]) -> None:
     import os
 
     from . import Strategy
-    from .demo import DEFAULT_STRATEGY, launch, main as demo_main
+    from .demo import DEFAULT_STRATEGY, launch
+    from .demo import main as demo_main
     strategy = args.strategy or str(DEFAULT_STRATEGY)
     ranks = Strategy.from_yaml(strategy).world_size
     if "WORLD_SIZE" not in os.environ and ranks > 1:

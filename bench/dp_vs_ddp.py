@@ -27,10 +27,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ranks import ROOT, finish, gpt_arguments, init, main, paired, report  # noqa: E402
+
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from ranks import ROOT, finish, gpt_arguments, init, main, paired, report  # noqa: E402
 
 CHECKED_STEPS = 3
 

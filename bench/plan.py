@@ -53,7 +53,7 @@ def plan_seconds(layers: int) -> tuple[float, int, dict[str, float]]:
         warnings.simplefilter("error")      # a missing rule would make this plan meaningless
         program = engine.prepare(ids, ids)
     seconds = time.perf_counter() - start
-    timings = next(iter(engine._plans.values())).pass_timings
+    timings = next(iter(engine.planner.steps.values())).pass_timings
     return seconds, len(program.ops), timings
 
 
@@ -99,7 +99,8 @@ def main(repeats: int = 5) -> dict[int, float]:
               f"torch make_fx trace alone {baseline:.2f} s | ratio plan/trace "
               f"{seconds / baseline:.2f}")
     print(f"48 / 24 layers: plan {medians[48] / medians[24]:.2f}x "
-          f"(torch trace alone {statistics.median(traces[48]) / statistics.median(traces[24]):.2f}x)")
+          f"(torch trace alone "
+          f"{statistics.median(traces[48]) / statistics.median(traces[24]):.2f}x)")
     return medians
 
 

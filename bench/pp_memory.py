@@ -111,8 +111,8 @@ def main(args: argparse.Namespace) -> None:
                                   f"agree across schedules (rtol {RTOL:g})"))
 
     per_mb = [b / m for b in peaks["FThenB"]]       # one micro-batch's bytes on each rank
-    print(f"\npeak activation memory per pipeline rank, MiB (micro-batches held: measured "
-          f"peak / (FThenB peak / m) | closed form)")
+    print("\npeak activation memory per pipeline rank, MiB (micro-batches held: measured "
+          "peak / (FThenB peak / m) | closed form)")
     print(f"{'schedule':<9}" + "".join(f"{'rank ' + str(r):>22}" for r in range(p))
           + f"{'max':>10}{'max/FThenB':>12}")
     top = max(peaks["FThenB"])

@@ -39,10 +39,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ranks import finish, gpt_arguments, init, main, paired, report  # noqa: E402
+
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from ranks import finish, gpt_arguments, init, main, paired, report  # noqa: E402
 
 CHECKED_STEPS = 3
 RTOL, ATOL = 1e-5, 1e-6

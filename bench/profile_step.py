@@ -35,7 +35,7 @@ COMM_WORDS = ("gloo", "c10d", "allreduce", "all_reduce", "allgather", "all_gathe
 
 
 def _train_plan(engine):
-    return next(p for (mode, *_), p in engine._plans.items() if mode == "train")
+    return next(p for (mode, *_), p in engine.planner.steps.items() if mode == "train")
 
 
 def _is_collective(obj) -> bool:

@@ -39,15 +39,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ranks import finish, gpt_arguments, init, main, paired, report, state_bytes  # noqa: E402
 
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from ranks import finish, gpt_arguments, init, main, paired, report, state_bytes  # noqa: E402
 
 CHECKED_STEPS = 3
 COLWISE, ROWWISE = ("attn.qkv", "fc1"), ("attn.proj", "fc2")
@@ -141,7 +141,7 @@ def _memory(engine, eager, eager_opt, dt_model, dt_opt) -> dict[str, dict[str, i
     """Bytes of parameters and of optimizer state each side keeps (this rank's pieces),
     the largest over the ranks."""
     params = {n for n, _ in eager.named_parameters()}
-    pieces = engine._pieces.tensors
+    pieces = engine.runtime.state.tensors
     figures = {
         "serial (one device)": (
             state_bytes(p for p in eager.parameters()),

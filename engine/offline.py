@@ -1,73 +1,49 @@
 """Offline planning of an unmodified training script: ``python -m autopar plan train.py``.
 
-The CLI opens a planning session and runs the script in this process. Every Engine the
-script builds joins the session (optionally with the CLI's strategy and dump dir); the first
-``fit`` / ``evaluate`` / ``predict`` step plans its program for the whole mesh, writes the
-dumps and stops the script. No launcher, no processes: a 64-rank mesh plans on a laptop.
+``plan_script`` launches the script as a child process whose environment asks for offline
+planning (``engine.launch``: the way torchrun's environment asks for a rank). Every Engine
+the script builds reads that once: it takes the CLI's strategy and dump dir, plans its first
+``fit`` / ``evaluate`` / ``predict`` step for every rank of the mesh (no processes, no
+launcher: a 64-rank mesh plans on a laptop), writes the dumps and the report, and ends the
+script. The report is what this function returns.
+
+Within a script, ``engine.prepare(inputs, labels)`` plans without running, and
+``engine.summary()`` / ``engine.explain(value)`` read the plan.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterator
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-from ..strategy import Strategy
+from ..strategy import DUMP_DIR_ENV
+from .launch import PLAN_EXPLAIN_ENV, PLAN_REPORT_ENV, PLAN_STRATEGY_ENV
 
+__all__ = ["plan_script"]
 
-class PlanningDone(BaseException):
-    """Stops the user's script after its first plan (a BaseException, so a script's own
-    ``except Exception`` does not swallow it)."""
-
-
-@dataclass
-class PlanSession:
-    strategy: Strategy | None = None     # replaces the script's strategy when given
-    dump_dir: str | None = None          # replaces the strategy's dump dir when given
-    engine: Any = None                   # the engine that planned
-    plan: Any = None                     # its Plan
-
-
-_SESSION: list[PlanSession] = []
-
-
-def current_session() -> PlanSession | None:
-    return _SESSION[-1] if _SESSION else None
-
-
-@contextlib.contextmanager
-def plan_session(strategy: Strategy | None = None, dump_dir: str | None = None
-                 ) -> Iterator[PlanSession]:
-    session = PlanSession(strategy, dump_dir)
-    _SESSION.append(session)
-    try:
-        yield session
-    except PlanningDone:
-        pass
-    finally:
-        _SESSION.remove(session)
+# torchrun's variables: the child plans every rank itself, in one process
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT")
 
 
 def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
                 dump_dir: str, explain: list[str]) -> str:
-    """Run ``script`` until its first step is planned; return a report of the plan."""
-    import runpy
-    import sys
-
-    from ..passes.explain import summarize
-
-    strategy = Strategy.from_yaml(strategy_yaml) if strategy_yaml else None
-    saved_argv = sys.argv
-    sys.argv = [script, *script_args]
-    try:
-        with plan_session(strategy, dump_dir) as session:
-            runpy.run_path(script, run_name="__main__")
-    finally:
-        sys.argv = saved_argv
-    if session.plan is None:
+    """Run ``script`` until its first step is planned; return the report of the plan."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "plan.txt"
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+        env.update({PLAN_REPORT_ENV: str(report), DUMP_DIR_ENV: str(Path(dump_dir).resolve()),
+                    PLAN_EXPLAIN_ENV: json.dumps(list(explain))})
+        if strategy_yaml:
+            env[PLAN_STRATEGY_ENV] = str(Path(strategy_yaml).resolve())
+        done = subprocess.run([sys.executable, script, *script_args], env=env)
+        if report.exists():
+            return report.read_text()
+        if done.returncode != 0:
+            raise SystemExit(f"autopar plan: {script} failed (exit code {done.returncode}) "
+                             "before its first step was planned; its output is above")
         raise SystemExit(f"autopar plan: {script} finished without a training, evaluation or "
                          "prediction step, so nothing was planned")
-    lines = [summarize(session.plan.program, session.plan.mesh, session.plan.pipeline),
-             f"dumps: {dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
-    lines += [f"\nexplain {what}:\n{session.engine.explain(what, session.plan.spec.mode)}"
-              for what in explain]
-    return "\n".join(lines)

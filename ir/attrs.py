@@ -32,8 +32,9 @@ import torch
 
 from .dist import DistAttr
 
-__all__ = ["StateKind", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME", "STATE", "SLOTS", "CONST", "MULTI", "STRIDES", "DIST",
-           "PINNED_DIMS", "ORIGIN", "COMM_TEXT", "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
+__all__ = ["StateKind", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME", "STATE", "SLOTS",
+           "CONST", "MULTI", "STRIDES", "DIST", "PINNED_DIMS", "ORIGIN", "COMM_TEXT",
+           "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
 
 T = TypeVar("T")
 

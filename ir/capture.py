@@ -25,9 +25,9 @@ from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from .attrs import NAME, SLOTS, STATE
 from .core import Op, OpKind, Program, Role, Slot, StateKind, Value
 from .lower_fx import Lowering, value_type
-from .attrs import NAME, SLOTS, STATE
 
 
 class CaptureError(RuntimeError):
@@ -176,7 +176,8 @@ def loss_from_output(out: Any) -> torch.Tensor:
         return out
     raise CaptureError(
         "loss=None needs the model to return its loss: a scalar tensor, a dict with key "
-        f"'loss', an object with a .loss tensor, or a tuple starting with it; got {type(out).__name__}")
+        "'loss', an object with a .loss tensor, or a tuple starting with it; got "
+        f"{type(out).__name__}")
 
 
 # --------------------------------------------------------------------------------------
@@ -369,7 +370,8 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
     placeholders += [state_value(n, buffers[n], StateKind.BUFFER) for n in buffer_names]
     batch_leaves, _ = flatten_batch(inputs, labels)
     for i, leaf in enumerate(batch_leaves):
-        op = Op(OpKind.INPUT, "input", outputs=[Value(value_type(leaf))], attrs={NAME: f"batch/{i}"})
+        op = Op(OpKind.INPUT, "input", outputs=[Value(value_type(leaf))],
+                attrs={NAME: f"batch/{i}"})
         placeholders.append(program.add(op).outputs[0])
 
     lowering = Lowering(program, gm, attribute_paths=_attribute_paths(model))

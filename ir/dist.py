@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 __all__ = [
-    "ProcessMesh", "MICRO_BATCH_DIM", "micro_batch_dim", "Placement", "Shard", "Replicate", "Partial", "PARTIAL_OPS", "DistAttr",
-    "local_size", "local_offset", "local_shape", "local_offsets", "local_slices",
-    "local_runs", "is_grouped", "chunk_grouped", "cat_grouped", "shard_tensor_local", "assemble", "format_placements", "parse_placements",
+    "ProcessMesh", "MICRO_BATCH_DIM", "micro_batch_dim", "Placement", "Shard", "Replicate",
+    "Partial", "PARTIAL_OPS", "DistAttr", "local_size", "local_offset", "local_shape",
+    "local_offsets", "local_slices", "local_runs", "is_grouped", "chunk_grouped", "cat_grouped",
+    "shard_tensor_local", "assemble", "format_placements", "parse_placements",
 ]
 
 Coordinate = tuple[int, ...]

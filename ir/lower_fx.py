@@ -12,9 +12,9 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .ops import UnknownOpError, op_info, target_name
-from .core import OpaqueType, Op, OpKind, Program, Role, StateKind, TensorType, Value
 from .attrs import CONST, MULTI, NAME, STATE, STRIDES
+from .core import Op, OpaqueType, OpKind, Program, Role, StateKind, TensorType, Value
+from .ops import UnknownOpError, op_info, target_name
 
 
 class LoweringError(RuntimeError):

@@ -41,7 +41,9 @@ def _format_arg(a, name: _Namer) -> str:
         return str(a).removeprefix("torch.")
     if isinstance(a, torch.Tensor):
         return f"tensor<{list(a.shape)}>"
-    return repr(a) if not isinstance(a, (torch.device, torch.layout, torch.memory_format)) else str(a)
+    if isinstance(a, (torch.device, torch.layout, torch.memory_format)):
+        return str(a)
+    return repr(a)
 
 
 def _format_result(v: Value, name: _Namer) -> str:

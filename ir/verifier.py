@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .core import Op, OpKind, Program, Role, TensorType, Value
 from .attrs import NAME, SLOT_KINDS, SLOTS, AttrError, check_attrs
+from .core import Op, OpKind, Program, Role, TensorType, Value
 
 
 class VerificationError(ValueError):

@@ -50,7 +50,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.n_embd), Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.fc1, self.fc2 = nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.fc1 = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.fc2 = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ from ..ir.dist import micro_batch_dim
 from ..ir.printer import value_names
 from ..pipeline.phases import BOUNDARY, HOMES, STAGE, Home, Homes, Phase
 from ..pipeline.schedules import splits_backward
-from ..reshard.steps import AllGather, AllReduce, MakePartial, Slice
 from ..reshard.comm import BUCKET_STEPS, FOR_TARGET, RESHARD_STEP
+from ..reshard.steps import AllGather, AllReduce, MakePartial, Slice
 from .context import PassContext
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir import Op, OpKind, Program, Role, Value
+from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
 from ..ir.dist import micro_batch_dim
-from ..reshard.steps import AllReduce
-from .context import PassContext
-from ..ir.attrs import COMM_TEXT, MULTI
 from ..pipeline.phases import STAGE
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
+from ..reshard.steps import AllReduce
+from .context import PassContext
 
 HANDLE = OpaqueType("!comm.handle")
 MIB = 1 << 20

@@ -14,13 +14,13 @@ from __future__ import annotations
 import warnings
 
 from ..ir import Op, OpKind, Program, Value
+from ..ir.attrs import NAME
 from ..ir.dist import DistAttr, ProcessMesh, Replicate
+from ..ir.reason import Reason
 from ..spmd import lookup
 from ..spmd.einsum import Decision, MeshDimChoice, Option
 from ..spmd.registry import describe, tensor_inputs
 from .context import PassContext
-from ..ir.reason import Reason
-from ..ir.attrs import NAME
 
 
 def _signature(a):
@@ -142,8 +142,9 @@ class _Completion:
                    f"(its inputs are gathered). Add a rule in autopar/spmd/rules/, or set "
                    f"debug.strict_rules: false to accept this")
         if self.strict:
-            raise MissingRuleError(message.replace("debug.strict_rules: false to accept this",
-                                                   "debug.strict_rules: false to run it replicated"))
+            raise MissingRuleError(message.replace(
+                "debug.strict_rules: false to accept this",
+                "debug.strict_rules: false to run it replicated"))
         if op.target not in self.warned:
             self.warned.add(op.target)
             warnings.warn(message.replace(", or set debug.strict_rules: false to accept this",

@@ -12,8 +12,8 @@ def dead_code(program: Program, ctx: PassContext) -> Program:
     used = set(program.output_op.inputs)
     kept = []
     for op in reversed(program.ops):
-        live = op.kind is OpKind.OUTPUT or any(v in used for v in op.outputs)
-        if live or (op.kind is OpKind.CALL and op_info(op.target).effectful) or op.kind is OpKind.INPUT:
+        live = op.kind in (OpKind.OUTPUT, OpKind.INPUT) or any(v in used for v in op.outputs)
+        if live or (op.kind is OpKind.CALL and op_info(op.target).effectful):
             kept.append(op)
             used.update(op.inputs)
     program.ops = kept[::-1]

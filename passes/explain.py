@@ -9,13 +9,13 @@ import math
 from dataclasses import dataclass
 
 from ..ir import OpKind, Program, Role, Value
+from ..ir.attrs import NAME
 from ..ir.dist import MICRO_BATCH_DIM, local_shape
 from ..ir.printer import value_names
 from ..ir.reason import MeshDimChoice, Reason
-from ..spmd import lookup
-from ..spmd.cost import collective, reshard_bytes
-from ..ir.attrs import NAME
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, FOR_TARGET, RESHARD_STEP
+from ..reshard.cost import collective, reshard_bytes
+from ..spmd import lookup
 
 
 def describe_reason(why: Reason, names: dict[Value, str], mesh_dims: tuple[str, ...]) -> str:
@@ -146,7 +146,8 @@ def planned_moves(program: Program) -> list[Move]:
     for op in program.ops:
         if op.kind is OpKind.COMM:
             # a bucket's start carries one step per gradient; its wait moves nothing
-            steps = op.attrs.get(BUCKET_STEPS) or ((op.attrs[RESHARD_STEP],) if RESHARD_STEP in op.attrs else ())
+            steps = op.attrs.get(BUCKET_STEPS) or (
+                (op.attrs[RESHARD_STEP],) if RESHARD_STEP in op.attrs else ())
             for step, v in zip(steps, op.args):
                 moves.append(Move(op.attrs[FOR_ROLE].value, op.module,
                                   op.attrs.get(FOR_TARGET, "optimizer"), v, step.axis,
@@ -197,7 +198,8 @@ def summarize(program: Program, mesh, pipeline=None) -> str:
         lines.append("communication the placements need (per rank, per step"
                      + (", each micro-batch's own counted once" if pipeline else "") + "):")
         for (kind, dim, role), sizes in sorted(groups.items()):
-            lines.append(f"  {kind:<20} on {dim:<6} {role:<4} x{len(sizes):<4} {_bytes(sum(sizes))}")
+            lines.append(f"  {kind:<20} on {dim:<6} {role:<4} x{len(sizes):<4} "
+                         f"{_bytes(sum(sizes))}")
     else:
         lines.append("communication the placements need: none")
     return "\n".join(lines)

@@ -12,12 +12,12 @@ the stages instead of one per micro-batch (Megatron's embedding-group all-reduce
 from __future__ import annotations
 
 from ..ir import Op, OpKind, Program, Role, Value
-from ..ir.dist import micro_batch_dim
-from ..reshard.steps import AllReduce
-from .context import PassContext
 from ..ir.attrs import LOCAL_NOTE
+from ..ir.dist import micro_batch_dim
 from ..pipeline.phases import STAGE
 from ..reshard.comm import RESHARD_STEP
+from ..reshard.steps import AllReduce
+from .context import PassContext
 
 
 def join_gradients(program: Program, ctx: PassContext) -> Program:

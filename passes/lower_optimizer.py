@@ -13,9 +13,9 @@ from typing import Callable
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ..ir import OpaqueType, Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value
-from .context import PassContext
+from ..ir import Op, OpaqueType, OpKind, Program, Role, Slot, StateKind, TensorType, Value
 from ..ir.attrs import NAME, STATE
+from .context import PassContext
 
 
 def _zeros(param: torch.Tensor, group: dict) -> torch.Tensor:

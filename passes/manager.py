@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..ir import Program, format_program, verify
-from .bucket_collectives import bucket_collectives
 from .assign_phases import assign_phases
+from .bucket_collectives import bucket_collectives
 from .clip_grad import clip_grad
 from .completion import completion
 from .context import Fact, FactError, PassContext
@@ -116,23 +116,6 @@ class PassManager:
             self._check(program, p.name, ctx, number, p.reports)
         self._dump_timings(ctx)
         return program
-
-    def dump_rank_program(self, program: Program, name: str, rank: int,
-                          ctx: PassContext) -> None:
-        """Check and dump one rank's program made after the pipeline (its partition),
-        numbered after the last pass."""
-        if self.verify:
-            verify(program)
-        self.dump_rank_text(format_program(program), name, rank, ctx)
-
-    def dump_rank_text(self, text: str, name: str, rank: int, ctx: PassContext) -> None:
-        if self.dump_dir is None:
-            return
-        number = len(self.passes) + 1
-        path = Path(self.dump_dir) / f"rank{rank}" / f"{self._prefix(ctx)}{number:02d}_{name}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        self.dumped.append(path)
 
     def _check_needs(self, p: Pass, ctx: PassContext) -> None:
         missing = p.needs - ctx.state.made

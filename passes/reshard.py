@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 from ..ir import Op, OpKind, Program, Role, Value
-from ..ir.dist import DistAttr
-from ..reshard import plan_reshard
-from .context import PassContext
-from ..ir.reason import Reason
 from ..ir.attrs import COMM_TEXT
+from ..ir.dist import DistAttr
+from ..ir.reason import Reason
+from ..reshard import plan_reshard
 from ..reshard.comm import FOR_ROLE, FOR_TARGET, RESHARD_STEP
+from .context import PassContext
 
 
 def reshard(program: Program, ctx: PassContext) -> Program:

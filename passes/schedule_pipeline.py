@@ -14,7 +14,14 @@ from ..ir import OpKind, Program
 from ..pipeline.cost import op_flops
 from ..pipeline.phases import Phase, homes_of
 from ..pipeline.schedules import build_schedule, splits_backward
-from ..pipeline.timeline import PipelineSchedule, check_jobs, peak_in_flight, play, render, unit_cost
+from ..pipeline.timeline import (
+    PipelineSchedule,
+    check_jobs,
+    peak_in_flight,
+    play,
+    render,
+    unit_cost,
+)
 from .context import PassContext
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import re
 
 from ..ir import Op, OpKind, Program, Role
+from ..ir.attrs import NAME
 from ..pipeline.cost import op_flops
 from ..pipeline.phases import STAGE, STAGE_HINT
 from .context import PassContext
-from ..ir.attrs import NAME
 
 _LAYER = re.compile(r"^(.*\.)?\d+$")
 

@@ -91,7 +91,8 @@ def _plan_dim(value: Value, style: str, axis: int, mesh: ProcessMesh,
         return None, 1   # a row-parallel bias is added once, after the reduction: replicated
     raise AnnotationError(
         f"tensor_parallel.plan {pattern!r}: cannot apply {style} to parameter {name!r} "
-        f"{list(value.type.shape)}: no dim gives a {'sharded last output dim' if style == 'colwise' else 'partial output'} "
+        f"{list(value.type.shape)}: no dim gives a "
+        f"{'sharded last output dim' if style == 'colwise' else 'partial output'} "
         f"at its first use ({'; '.join(tried) or 'it has no forward use'})")
 
 

@@ -33,12 +33,12 @@ communication. A 0-d or dtype-changing (``half_to_float``, CUDA only) log-softma
 """
 from __future__ import annotations
 
-from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir import Op, OpKind, Program, TensorType, Value
+from ..ir.annotation import ANNOTATE_TARGET, decode
+from ..ir.attrs import DECOMPOSES
 from ..ir.dist import DistAttr
 from ..spmd.registry import tensor_inputs
 from .context import PassContext
-from ..ir.attrs import DECOMPOSES
 
 _FORWARD = "aten._log_softmax.default"          # (self, dim, half_to_float)
 _BACKWARD = "aten._log_softmax_backward_data.default"   # (grad, output, dim, input_dtype)

@@ -2,7 +2,7 @@
 
 An n-D change is a path through placement states (one placement per mesh dim); each edge
 is one catalogue step on one mesh dim, valid in that state. ``plan_reshard`` runs a
-shortest-path search over those states, weighted by ``spmd.cost`` bytes, so nested shards,
+shortest-path search over those states, weighted by ``reshard.cost`` bytes, so nested shards,
 partials and S(i)->S(j) all come out of one rule set instead of special cases.
 
 Validity of a step in a state (why each rule exists):
@@ -33,10 +33,27 @@ import itertools
 from functools import lru_cache
 from typing import Sequence
 
-from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard, \
-    format_placements, micro_batch_dim
-from .steps import (AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step,
-                    parent_shape, transition)
+from ..ir.dist import (
+    DistAttr,
+    Partial,
+    Placement,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    format_placements,
+    micro_batch_dim,
+)
+from .steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    MakePartial,
+    ReduceScatter,
+    Slice,
+    Step,
+    parent_shape,
+    transition,
+)
 
 __all__ = ["plan_reshard", "naive_plan", "plan_cost", "step_is_valid"]
 

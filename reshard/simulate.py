@@ -29,8 +29,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..ir.dist import ProcessMesh, cat_grouped, chunk_grouped, local_offset, local_size
-from .steps import (AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice,
-                    Step)
+from .steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
 
 __all__ = ["apply_steps", "apply_step"]
 

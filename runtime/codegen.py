@@ -12,8 +12,8 @@ from typing import Any, Callable
 import torch
 
 from ..ir import Op, OpKind, Program, Value
-from ..ir.ops import op_info, resolve
 from ..ir.attrs import MULTI, NAME
+from ..ir.ops import op_info, resolve
 
 
 class _Emitter:
@@ -134,7 +134,8 @@ def generate(program: Program, name: str = "step",
     ops, i = program.ops, 0
     while i < len(ops):
         end = _batch_run(ops, i)
-        line = _emit_batched(ops[i:end], em, names) if end - i > 1 else _emit_op(ops[i], em, names, comm)
+        line = (_emit_batched(ops[i:end], em, names) if end - i > 1
+                else _emit_op(ops[i], em, names, comm))
         lines.append("    " + line)
         dead = [names[v] for j in range(i, end) if ops[j].kind is not OpKind.OUTPUT
                 for v in dying.get(j, ())]

@@ -1,9 +1,9 @@
 """Reshard steps as c10d collectives, with exactly the semantics of ``reshard.simulate``.
 
-Each comm op of a rank's program is bound once, at planning time, to a small callable
-``piece -> new piece``: the step, this rank's group along the step's mesh dim, and every
-group member's piece shape (known statically from the global shape and placements), so the
-step time does no shape arithmetic.
+Each comm op of a rank's program is bound once, when its executor is made, to a small
+callable ``piece -> new piece``: the comm spec lowering made (the step and every group
+member's piece shape, known statically from the global shape and placements) and this
+rank's group along the step's mesh dim, so a step does no shape arithmetic.
 
 Uneven shards (torch.chunk sizes) travel padded to the largest piece and are cut back:
 gloo's all-gather refuses pieces of different sizes, and the padded fixed-size collectives
@@ -15,20 +15,17 @@ blocks reordered: reduce-scatter sends member j its chunk of every group
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..ir.core import Op
-from ..ir.dist import (ProcessMesh, cat_grouped, chunk_grouped, local_offset, local_shape,
-                       local_size)
-from ..reshard.steps import (AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter,
-                             Slice, Step)
+from ..ir.dist import cat_grouped, chunk_grouped, local_offset, local_size
+from ..lower.executable import BucketStart, BucketWait, StepComm
+from ..reshard.steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
 from .process_groups import MeshAxisGroup, MeshGroups
-from ..reshard.comm import BUCKET_STEPS, RESHARD_STEP
 
-__all__ = ["bind_comm", "Collective"]
+__all__ = ["bind", "bind_step", "wait_bucket", "Collective"]
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
 
@@ -36,33 +33,20 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def member_shapes(shape: Sequence[int], mesh: ProcessMesh, placements: Sequence,
-                  coordinate: Sequence[int], mesh_dim: int) -> list[tuple[int, ...]]:
-    """The piece each member of this rank's group along ``mesh_dim`` holds, by index."""
-    return [local_shape(shape, mesh, placements,
-                        tuple(coordinate[:mesh_dim]) + (j,) + tuple(coordinate[mesh_dim + 1:]))
-            for j in range(mesh.shape[mesh_dim])]
-
-
-def bind_comm(op: Op, groups: MeshGroups) -> Callable:
-    """The collective that runs comm ``op`` (of the *global* program) on this rank."""
-    if op.target == "comm.all_reduce_start":
-        return _bucket_start(op, groups)
-    if op.target == "comm.wait":
+def bind(comm: StepComm | BucketStart | BucketWait, groups: MeshGroups) -> Callable:
+    """The callable that runs ``comm`` (a comm spec lowering made) on this process's groups."""
+    if isinstance(comm, BucketStart):
+        return _bucket_start(comm, groups)
+    if isinstance(comm, BucketWait):
         return wait_bucket
-    value = op.args[0]
-    return bind_step(op.attrs[RESHARD_STEP], value.type.shape, value.dist.placements, groups)
+    return bind_step(comm, groups)
 
 
-def _bucket_start(op: Op, groups: MeshGroups) -> Callable:
+def _bucket_start(comm: BucketStart, groups: MeshGroups) -> Callable:
     """Start one asynchronous all-reduce over a bucket of gradients (flattened into one
     buffer); ``wait_bucket`` ends it and hands back views of the reduced buffer."""
-    steps = op.attrs[BUCKET_STEPS]
-    mesh_dim, reduce = steps[0].mesh_dim, steps[0].op
-    if any(s.mesh_dim != mesh_dim or s.op != reduce for s in steps):
-        raise ValueError(f"{op.target}: a bucket mixes mesh dims or reduce ops: {steps}")
-    shapes = [local_shape(v.type.shape, groups.mesh, v.dist.placements, groups.coordinate)
-              for v in op.args]
+    mesh_dim, reduce = comm.steps[0].mesh_dim, comm.steps[0].op
+    shapes = comm.shapes
     sizes = [int(torch.Size(s).numel()) for s in shapes]
     group, rop = groups[mesh_dim].group, REDUCE_OPS[reduce]
 
@@ -78,14 +62,12 @@ def wait_bucket(handle) -> tuple[torch.Tensor, ...]:
     return tuple(piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes))
 
 
-def bind_step(step: Step, shape: Sequence[int], placements: Sequence,
-              groups: MeshGroups) -> Collective:
-    """The collective for ``step`` on a tensor of global ``shape`` placed ``placements``."""
-    shapes = member_shapes(shape, groups.mesh, placements, groups.coordinate, step.mesh_dim)
-    binder = BINDERS.get(type(step))
+def bind_step(comm: StepComm, groups: MeshGroups) -> Collective:
+    """The collective that runs one reshard step on this process's group along its dim."""
+    binder = BINDERS.get(type(comm.step))
     if binder is None:
-        raise NotImplementedError(f"no c10d collective for reshard step {step}")
-    return binder(step, groups[step.mesh_dim], shapes)
+        raise NotImplementedError(f"no c10d collective for reshard step {comm.step}")
+    return binder(comm.step, groups[comm.step.mesh_dim], list(comm.member_shapes))
 
 
 def _all_reduce(step: AllReduce, axis: MeshAxisGroup, shapes) -> Collective:

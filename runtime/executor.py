@@ -1,66 +1,75 @@
-"""Run one rank's program step after step, holding its state (parameters, buffers,
-optimizer state) between steps."""
+"""The executor interface, and the executor of one process's program: serial, or one rank of
+a plan on real processes.
+
+Every executor takes a lowered plan at construction and then only runs it:
+``run(feeds, seed)`` feeds one step (the full batch tensors and the optimizer's param
+groups), writes the state updates back and returns the other results. Pipelined ones also
+report the activations they held (``peaks``) and when their jobs ran (``trace_events``).
+"""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from ..ir import OpKind, Program, Slot, StateKind
-from ..ir.ops import draws_random
+from ..ir import Slot
+from ..lower.executable import RankProgram
 from .codegen import generate
-from ..ir.attrs import CONST, NAME, STATE
+from .collectives import bind
+from .job_store import cut_feeds
+from .process_groups import MeshGroups
+from .rng import forked_generator
+from .state import cut_piece
+
+__all__ = ["Executor", "PipelinedExecutor", "ProgramExecutor"]
 
 
-def has_random_ops(program: Program) -> bool:
-    return any(draws_random(op) for op in program.ops_of(OpKind.CALL))
+class Executor(Protocol):
+    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]: ...
 
 
-class Executor:
-    """Compiles a program once; ``run`` feeds a step and writes state updates back.
+class PipelinedExecutor(Executor, Protocol):
+    def peaks(self) -> list[int]: ...           # each pipeline rank's peak activation bytes
+    def keep_trace(self) -> None: ...           # keep every step's job times
+    def trace_events(self) -> list[tuple[int, str, float, float]]: ...
 
-    ``state`` maps state names to tensors and is shared with the engine (and, in serial
-    runs, aliases the model's own parameters, so the model trains in place). A rank's
-    program of a distributed plan holds this rank's pieces, and ``comm`` binds its COMM ops
-    to their collectives (``runtime.rank_program``).
+
+class ProgramExecutor:
+    """Compiles a process's program once; ``run`` feeds a step and writes state updates back.
+
+    ``state`` maps state names to tensors and is shared with the caller: in serial runs the
+    model's own parameters (so the model trains in place), on real processes this rank's
+    pieces. ``groups`` are this rank's process groups (None when serial).
     """
 
-    def __init__(self, program: Program, state: dict[str, Any],
-                 comm: dict | None = None, random: bool | None = None):
-        self.program = program
-        self.state = state
-        for op in program.ops_of(OpKind.STATE):
-            if op.attrs[STATE] is StateKind.CONST:
-                state.setdefault(op.attrs[NAME], op.attrs[CONST])
-        missing = [op.attrs[NAME] for op in program.ops_of(OpKind.STATE)
-                   if op.attrs[NAME] not in state]
+    def __init__(self, rank: RankProgram, state: dict[str, Any],
+                 groups: MeshGroups | None = None):
+        self.rank, self.state = rank, state
+        for name, piece in rank.state.items():
+            if piece.const is not None:
+                state.setdefault(name, cut_piece(piece.const, piece))
+        missing = [name for name in rank.state if name not in state]
         if missing:
             raise KeyError(f"no initial value for program state {missing[:5]}")
-        self.fn, self.source = generate(program, comm=comm)
-        self.slots: list[Slot] = [s for s, _ in program.results()]
-        self._updates = [(i, s.name) for i, s in enumerate(self.slots) if s.kind == "update"]
-        self._returned = [i for i, s in enumerate(self.slots) if s.kind != "update"]
-        # a rank's program calls random ops through their local forms: its caller says
-        # whether the global program draws
-        self.random = has_random_ops(program) if random is None else random
-
-    def _run_seeded(self, feeds: dict[str, Any], seed: int) -> tuple:
-        """Random ops draw from the CPU generator seeded with ``seed`` (what
-        ``torch.manual_seed(seed)`` gives eager code); the caller's RNG state is restored.
-        Seeding the generator directly skips manual_seed's per-call accelerator hooks."""
-        generator = torch.default_generator
-        saved = generator.get_state()
-        generator.manual_seed(seed)
-        try:
-            return self.fn(feeds, self.state)
-        finally:
-            generator.set_state(saved)
+        if rank.comms and groups is None:
+            raise ValueError(f"process {rank.process}'s program communicates: it needs its "
+                             "process groups")
+        ops = rank.program.ops
+        comm = {ops[i]: bind(spec, groups) for i, spec in rank.comms.items()}
+        self.fn, self.source = generate(rank.program, comm=comm)
+        slots: list[Slot] = [s for s, _ in rank.program.results()]
+        self.slots = slots
+        self._updates = [(i, s.name) for i, s in enumerate(slots) if s.kind == "update"]
+        self._returned = [i for i, s in enumerate(slots) if s.kind != "update"]
 
     def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
         """Run one step; state updates are written back, the other results returned."""
+        if self.rank.inputs:
+            feeds = cut_feeds(feeds, self.rank.inputs)
         with torch.no_grad():
-            if self.random and seed is not None:
-                values = self._run_seeded(feeds, seed)
+            if self.rank.draws_random and seed is not None:
+                with forked_generator(seed):
+                    values = self.fn(feeds, self.state)
             else:
                 values = self.fn(feeds, self.state)
         for index, name in self._updates:

@@ -7,30 +7,30 @@ any later message of the pair, a send (``isend``) as soon as its value exists, a
 earlier receive of the pair. NCCL matches a pair's operations in posting order and gloo a
 direction's, so both ends always agree on which buffer a message fills; and since a send
 never waits and every wait is for a message an earlier job of the peer sends, no cycle of
-waits can form (``pipeline.jobs``).
+waits can form (``lower.pipeline_jobs``).
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from ..pipeline.jobs import Message
+from ..lower.pipeline_jobs import Message
 
 __all__ = ["P2PTransport"]
 
 
 class P2PTransport:
-    """``send(message, tensor)`` / ``recv(message) -> tensor`` for one process, with
-    ``peer(pp_position) -> global rank`` and the shape and dtype of every message it
-    receives."""
+    """``send(message, tensor)`` / ``recv(message) -> tensor`` for one process at pp
+    position ``me``, with the process at its coordinate on every pp position (``peers``)
+    and the shape and dtype of every message it receives."""
 
-    def __init__(self, messages: list[Message], me: int, peer: Callable[[int], int],
+    def __init__(self, messages: tuple[Message, ...], me: int, peers: Mapping[int, int],
                  shapes: dict[Message, tuple[tuple[int, ...], torch.dtype]], device,
                  group=None):
-        self.me, self.peer, self.shapes, self.device, self.group = me, peer, shapes, device, group
+        self.me, self.peers, self.shapes, self.device, self.group = me, peers, shapes, device, group
         self.pairs: dict[int, list[Message]] = {}
         for m in messages:
             if me in (m.src, m.dst) and m.src != m.dst:
@@ -66,8 +66,8 @@ class P2PTransport:
     def _post(self, m: Message, other: int, tensor: torch.Tensor):
         """Post one message of the pair with ``other``: the only place that calls c10d."""
         if m.src == self.me:
-            return dist.isend(tensor, self.peer(other), group=self.group)
-        return dist.irecv(tensor, self.peer(other), group=self.group)
+            return dist.isend(tensor, self.peers[other], group=self.group)
+        return dist.irecv(tensor, self.peers[other], group=self.group)
 
     def send(self, m: Message, tensor: torch.Tensor) -> None:
         other, i = self.index[m]

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ..ir.dist import ProcessMesh
 
-__all__ = ["MeshAxisGroup", "MeshGroups", "init_distributed", "backend_for", "p2p_group"]
+__all__ = ["MeshAxisGroup", "MeshGroups", "check_launch", "init_distributed", "backend_for",
+           "p2p_group"]
 
 
 @dataclass(frozen=True)
@@ -105,16 +106,22 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(device: torch.device, expected_world_size: int) -> tuple[int, int]:
-    """Join the process group torchrun describes (env:// rendezvous, so multi-node works
-    through torchrun's own flags); returns (rank, world size). Checks the launch matches
-    the strategy before any collective could hang."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def check_launch(expected_world_size: int, world: int) -> None:
+    """A plan on ``expected_world_size`` processes refuses a launch of ``world`` before any
+    collective could hang."""
     if world != expected_world_size:
         raise ValueError(
             f"the strategy's mesh has {expected_world_size} ranks but WORLD_SIZE is {world}: "
             f"launch with `torchrun --nproc-per-node {expected_world_size} script.py` (or set "
             "debug.simulate: true to run every rank in this process)")
+
+
+def init_distributed(device: torch.device, expected_world_size: int,
+                     world: int) -> tuple[int, int]:
+    """Join the process group torchrun describes (env:// rendezvous, so multi-node works
+    through torchrun's own flags); returns (rank, world size). ``world`` is the launch's
+    WORLD_SIZE; it must match the plan before any collective could hang."""
+    check_launch(expected_world_size, world)
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             raise RuntimeError("WORLD_SIZE is set but MASTER_ADDR is not: launch with torchrun")

@@ -24,7 +24,7 @@ from typing import Collection, Sequence
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
 from ..ir.reason import REPLICATE, MeshDimChoice, Option
-from .cost import reshard_bytes
+from ..reshard.cost import reshard_bytes
 from .spec import UNSHARDABLE, Spec
 
 
@@ -113,7 +113,8 @@ class _Inference:
         """For an op linear in each input separately, the one input that stays partial."""
         m = self._m
         for i, d in enumerate(in_dists):
-            if d is not None and self.spec.is_linear_input(i) and d.placements[m] == Partial(option.arg):
+            if d is not None and self.spec.is_linear_input(i) \
+                    and d.placements[m] == Partial(option.arg):
                 return i
         return next((i for i in range(len(self.in_types)) if self.spec.is_linear_input(i)), None)
 
@@ -191,7 +192,8 @@ def _options(inf: _Inference, m: int, in_dists) -> list[Option]:
             letter = inf.spec.inputs[i][p.dim]
             if inf.shardable(letter, m) and inf.groupable(letter, p.groups):
                 options.append(Option("shard", letter, p.groups))
-        elif isinstance(p, Partial) and inf.spec.is_linear_input(i) and p.op in inf.spec.partial_ops:
+        elif isinstance(p, Partial) and inf.spec.is_linear_input(i) \
+                and p.op in inf.spec.partial_ops:
             options.append(Option("partial", p.op))
     options.append(REPLICATE)
     rank = {"shard": 0, "replicate": 1, "partial": 2}
@@ -271,7 +273,8 @@ def _reverse_option(inf: _Inference, out_hints, wanted: Placement, m: int) -> Op
         if (letter in inf.spec.input_letters() and inf.shardable(letter, m)
                 and inf.groupable(letter, wanted.groups)):
             return Option("shard", letter, wanted.groups)
-    if isinstance(wanted, Partial) and inf.spec.linear != "none" and wanted.op in inf.spec.partial_ops:
+    if isinstance(wanted, Partial) and inf.spec.linear != "none" \
+            and wanted.op in inf.spec.partial_ops:
         return Option("partial", wanted.op)
     return REPLICATE
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Protocol, Sequence
 
 from ..ir.core import Op, TensorType, Value
-from ..ir.ops import UnknownOpError, op_info
 from ..ir.dist import DistAttr, ProcessMesh
+from ..ir.ops import UnknownOpError, op_info
 from .einsum import Decision, infer_forward, infer_reverse
 from .spec import Spec
 

@@ -13,6 +13,13 @@ LINEAR_KINDS = ("none", "sum", "each")
 UNSHARDABLE = "1"
 
 
+def _split_side(side: str) -> list[str | None]:
+    """One side of a spec, per operand: ``-`` is a non-tensor operand (None)."""
+    if not side and "," not in side:
+        return [""]
+    return [None if s == "-" else s for s in side.split(",")]
+
+
 @dataclass(frozen=True)
 class Spec:
     """How an op maps tensor dims to tensor dims.
@@ -77,8 +84,7 @@ class Spec:
         if "->" not in text:
             raise ValueError(f"spec {text!r} has no '->'")
         lhs, rhs = text.replace(" ", "").split("->")
-        split = lambda side: [None if s == "-" else s for s in side.split(",")] if side or "," in side else [""]  # noqa: E731
-        return cls(tuple(split(lhs)), tuple(split(rhs)), **flags)
+        return cls(tuple(_split_side(lhs)), tuple(_split_side(rhs)), **flags)
 
     # -- queries -------------------------------------------------------------------------
     def input_letters(self) -> frozenset[str]:

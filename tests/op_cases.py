@@ -12,22 +12,20 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import models_zoo as zoo
 import torch
 from torch.utils import _pytree as pytree
 
 from autopar.ir import Op, OpKind, Program, StateKind, TensorType, Value
+from autopar.ir.attrs import CONST, MULTI, NAME, STATE, STRIDES
 from autopar.ir.capture import capture
-from autopar.ir.attrs import STRIDES
+from autopar.ir.ops import op_info, resolve
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.context import PassContext, PlanInputs
 from autopar.passes.decompose_loss import decompose_loss
 from autopar.passes.manager import PassManager
-from autopar.ir.ops import op_info, resolve
 from autopar.strategy import Strategy
-
-import models_zoo as zoo
-from autopar.ir.attrs import CONST, MULTI, NAME, STATE
 
 BATCH, SEQ, VOCAB = 2, 8, 30
 SEED = 1234

@@ -14,12 +14,13 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
+from test_reshard_plan import CATALOGUE, EVEN, NESTED, UNEVEN, make_pieces
 
 from autopar.ir.dist import DistAttr, ProcessMesh, parse_placements
+from autopar.lower.comms import step_comm
 from autopar.reshard import apply_step, plan_reshard
 from autopar.runtime.collectives import bind_step
 from autopar.runtime.process_groups import init_distributed, mesh_groups
-from test_reshard_plan import CATALOGUE, EVEN, NESTED, UNEVEN, make_pieces
 
 R = parse_placements("R")[0]
 
@@ -68,7 +69,8 @@ def check_case(mesh, groups, shape, src, dst, seed) -> list[str]:
     placements, errors = tuple(src), []
     for step in plan_reshard(shape, DistAttr(mesh, tuple(src)), DistAttr(mesh, tuple(dst))):
         want = apply_step(pieces, mesh, step)
-        got = bind_step(step, shape, placements, groups)(pieces[groups.coordinate])
+        comm = step_comm(step, shape, DistAttr(mesh, placements), groups.coordinate)
+        got = bind_step(comm, groups)(pieces[groups.coordinate])
         mine = want[groups.coordinate]
         if got.shape != mine.shape or not torch.allclose(got, mine, rtol=1e-12, atol=1e-12):
             errors.append(f"{step} on {mesh} shape {list(shape)} from {placements}: got "
@@ -78,7 +80,8 @@ def check_case(mesh, groups, shape, src, dst, seed) -> list[str]:
 
 
 def check_all() -> dict:
-    _, world = init_distributed(torch.device("cpu"), int(os.environ["WORLD_SIZE"]))
+    world = int(os.environ["WORLD_SIZE"])
+    init_distributed(torch.device("cpu"), world, world)
     checked, errors, kinds = 0, [], set()
     for mesh in meshes(world):
         groups = mesh_groups(mesh)

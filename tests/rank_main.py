@@ -11,8 +11,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import autopar as ap  # noqa: E402
 from parity import gpt_optimizer, lm_data, parity_gpt  # noqa: E402
+
+import autopar as ap  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 

@@ -6,12 +6,12 @@ import torch
 
 import autopar as ap
 from autopar.ir import OpKind, Role
+from autopar.ir.attrs import COMM_TEXT
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
+from autopar.reshard.comm import FOR_ROLE
 
 from .parity import assert_same_losses, assert_same_params, eager_train, lm_data, twin
-from autopar.ir.attrs import COMM_TEXT
-from autopar.reshard.comm import FOR_ROLE
 
 
 def _plan(bucket_mb: float, simulate: bool = False):

@@ -11,12 +11,12 @@ from torch.utils.data import DataLoader
 
 import autopar as ap
 from autopar.ir import OpKind, Role, StateKind
+from autopar.ir.attrs import CONST, NAME
 from autopar.ir.capture import CaptureError, call_model, capture, loss_from_output
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 
 from . import models_zoo as zoo
-from autopar.ir.attrs import CONST, NAME
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

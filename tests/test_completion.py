@@ -3,7 +3,6 @@ data_parallel) in, a placement on every value out, with the communication the pl
 imply and an explanation for each choice."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +10,13 @@ from torch import nn
 
 import autopar as ap
 from autopar.ir import OpKind, Role
+from autopar.ir.attrs import NAME
 from autopar.ir.dist import Partial, Replicate, Shard
-from autopar.passes.pinning import AnnotationError
 from autopar.passes.completion import MissingRuleError, MissingRuleWarning
 from autopar.passes.explain import describe_reason, planned_moves
+from autopar.passes.pinning import AnnotationError
 
 from .models_zoo import MegatronMLP, mse
-from autopar.ir.attrs import NAME
 
 TP = ap.ProcessMesh([0, 1], dim_names=["tp"])
 
@@ -75,10 +74,11 @@ def test_megatron_mlp_from_shard_tensor_needs_no_communication_between_the_matmu
 def test_megatron_backward_agrees_with_forward_and_sharded_grads_need_no_gather():
     model = MegatronMLP()
     strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["tp"]},
-                           tensor_parallel={"axis": "tp", "plan": {"fc1": "colwise", "fc2": "rowwise"}})
+                           tensor_parallel={"axis": "tp",
+                                            "plan": {"fc1": "colwise", "fc2": "rowwise"}})
     engine, program = _plan(model, strategy)
-    updates = {op.args[0].producer.attrs[NAME]: op for op in program.ops if op.role is Role.OPTIMIZER
-               and op.kind is OpKind.CALL}
+    updates = {op.args[0].producer.attrs[NAME]: op for op in program.ops
+               if op.role is Role.OPTIMIZER and op.kind is OpKind.CALL}
     for name, want in {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1),
                        "fc2.bias": Replicate()}.items():
         update = updates[name]
@@ -119,7 +119,8 @@ def test_every_value_is_placed_for_gpt_on_a_2d_mesh_and_plan_dims_follow_graph_u
     ids = torch.randint(0, 64, (4, 16))
     engine, program = _plan(model, strategy, ids, ids, loss=lm_loss,
                             optimizer=torch.optim.AdamW(model.parameters()))
-    unplaced = [op.target for op in program.ops for v in op.outputs if v.is_tensor and v.dist is None]
+    unplaced = [op.target for op in program.ops for v in op.outputs
+                if v.is_tensor and v.dist is None]
     assert not unplaced
     for op in program.ops:
         if op.kind is OpKind.CALL:
@@ -193,7 +194,8 @@ class _Conflict(nn.Module):
 def test_a_conflict_picks_the_cheaper_reshard():
     model = _Conflict()
     _, program = _plan(model, x=torch.randn(16, 64), y=torch.randn(16, 4))
-    mm = [op for op in program.ops if op.target == "aten.mm.default" and op.role is Role.FORWARD][-1]
+    mm = [op for op in program.ops
+          if op.target == "aten.mm.default" and op.role is Role.FORWARD][-1]
     big, small = mm.args
     assert mm.needs[0] == big.dist                               # the big one stays sharded
     assert mm.needs[1].placements == (Replicate(),)              # the small one is gathered

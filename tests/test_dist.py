@@ -6,9 +6,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.ir.dist import (DistAttr, Partial, ProcessMesh, Replicate, Shard, assemble,
-                             local_offset, local_shape, local_size, local_slices,
-                             shard_tensor_local)
+from autopar.ir.dist import (
+    DistAttr,
+    Partial,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    assemble,
+    local_offset,
+    local_shape,
+    local_size,
+    local_slices,
+    shard_tensor_local,
+)
 
 MESH_2X2 = ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
 

@@ -6,12 +6,12 @@ import torch
 
 import autopar as ap
 from autopar.ir import OpKind, StateKind
+from autopar.ir.attrs import NAME, STATE
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.strategy import UnsupportedStrategyError
 
-from .parity import RTOL, ATOL, lm_data, regression_data
-from autopar.ir.attrs import NAME, STATE
+from .parity import ATOL, RTOL, lm_data, regression_data
 
 
 def _mse(out, y):
@@ -34,7 +34,8 @@ def test_history_has_one_loss_per_step_over_epochs():
 
 def test_evaluate_and_predict_match_eager_in_eval_mode():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.2))
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                          dropout=0.2))
     ref = copy.deepcopy(model).eval()
     data = lm_data(10, 16, 64)
 
@@ -90,7 +91,8 @@ def test_programs_are_cached_per_batch_signature():
 
 
 def test_unsupported_strategy_section_is_refused_up_front():
-    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, sharding={"axis": "dp", "stage": 1})
+    strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]},
+                           sharding={"axis": "dp", "stage": 1})
     with pytest.raises(UnsupportedStrategyError, match="sharding"):
         _mlp_engine(strategy=strategy)
 

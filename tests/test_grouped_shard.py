@@ -18,24 +18,46 @@ from hypothesis import strategies as st
 
 import autopar as ap
 from autopar.ir import OpKind, StateKind
-from autopar.ir.dist import (DistAttr, Partial, ProcessMesh, Replicate, Shard, assemble,
-                             cat_grouped, chunk_grouped, format_placements, local_runs,
-                             local_shape, local_slices, parse_placements, shard_tensor_local)
+from autopar.ir.dist import (
+    DistAttr,
+    Partial,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    assemble,
+    cat_grouped,
+    chunk_grouped,
+    format_placements,
+    local_runs,
+    local_shape,
+    local_slices,
+    parse_placements,
+    shard_tensor_local,
+)
+from autopar.lower.partition import partition
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.passes.partition import partition
-from autopar.reshard import (AllGather, ReduceScatter, Slice, apply_steps, naive_plan,
-                             plan_cost, plan_reshard)
+from autopar.reshard import (
+    AllGather,
+    ReduceScatter,
+    Slice,
+    apply_steps,
+    naive_plan,
+    plan_cost,
+    plan_reshard,
+)
 from autopar.spmd.local_forms import LocalContext, UnsupportedLocalForm, local_call, run_local
 
 from . import models_zoo as zoo
 
 sys.path.insert(0, os.path.dirname(__file__))   # op_cases imports its siblings by name
 from op_cases import synthetic  # noqa: E402
+
+from autopar.ir.attrs import COMM_TEXT, NAME
+
 from .parity import assert_same_losses, assert_same_params, eager_train, lm_data
 from .spmd_util import MESH2, T, forward, make_op, reverse
 from .test_reshard_plan import make_pieces
-from autopar.ir.attrs import COMM_TEXT, NAME
 
 R = Replicate()
 MESH_TP = ProcessMesh([0, 1], dim_names=["tp"])
@@ -392,7 +414,7 @@ def test_gpt_head_parallel_trains_like_eager_for_10_steps(config):
                                                        momentum=0.9),
                        strategy=_strategy(config, simulate=True))
     losses = engine.fit(data, batch_size=4, verbose=0)["loss"]
-    program = next(iter(engine._plans.values())).program
+    program = next(iter(engine.planner.steps.values())).program
     qkv = next(op.result for op in program.states(StateKind.PARAM)
                if op.attrs[NAME] == "blocks.0.attn.qkv.weight")
     assert Shard(0, 3) in qkv.dist.placements
@@ -424,7 +446,7 @@ def test_hugging_face_gpt2_fused_c_attn_trains_like_eager_under_tp2():
     engine = ap.Engine(model, None, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                        strategy=strategy)
     history = engine.fit([({"input_ids": x}, x.clone()) for x in ids], batch_size=4, verbose=0)
-    program = next(iter(engine._plans.values())).program
+    program = next(iter(engine.planner.steps.values())).program
     placed = {op.attrs[NAME]: op.result.dist.placements
               for op in program.states(StateKind.PARAM)}
     # Conv1D stores [in, 3C]: the fused dim is 1

@@ -2,10 +2,21 @@
 import pytest
 import torch
 
-from autopar.ir import (Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value,
-                        VerificationError, format_program, verify)
-from autopar.ir.capture import capture
+from autopar.ir import (
+    Op,
+    OpKind,
+    Program,
+    Role,
+    Slot,
+    StateKind,
+    TensorType,
+    Value,
+    VerificationError,
+    format_program,
+    verify,
+)
 from autopar.ir.attrs import NAME, SLOTS, STATE
+from autopar.ir.capture import capture
 
 
 class Tiny(torch.nn.Module):
@@ -46,7 +57,7 @@ GOLDEN = """\
 %19: f32[3,2] = aten.t(%18)  # fc bwd of %4
 %20: f32[2,3] = aten.t(%19)  # fc bwd of %3
 output loss=%9, grad[fc.weight]=%20
-"""
+"""  # noqa: E501
 
 
 def test_printer_golden():
@@ -126,3 +137,28 @@ def test_verifier_rejects_bad_slot():
     out = Op(OpKind.OUTPUT, "output", args=(a.result,), attrs={SLOTS: (Slot("weird"),)})
     with pytest.raises(VerificationError, match="slot kind 'weird'"):
         verify(_program_with(a, out))
+
+
+def test_verifier_rejects_untyped_and_mistyped_op_attributes():
+    """Op attributes are typed: a key is a declared Attr and its value has the Attr's type,
+    so no pass hands a later one an untyped side channel."""
+    from autopar.ir.attrs import LOCAL_NOTE
+    a = _state("a")
+    neg = Op(OpKind.CALL, "aten.neg.default", args=(a.result,),
+             outputs=[Value(TensorType((2,), torch.float32))], module="fc1")
+    program = _program_with(a, neg, _output(neg.result))
+    neg.attrs[LOCAL_NOTE] = "fine"
+    verify(program)
+    neg.attrs[LOCAL_NOTE] = 3
+    with pytest.raises(VerificationError, match="'local_note' holds a int, not str.*fc1"):
+        verify(program)
+    del neg.attrs[LOCAL_NOTE]
+    neg.attrs["_stage"] = 0
+    with pytest.raises(VerificationError, match="key '_stage' is not a declared Attr"):
+        verify(program)
+
+
+def test_attribute_names_are_declared_once():
+    from autopar.ir.attrs import Attr
+    with pytest.raises(ValueError, match="'name' declared twice"):
+        Attr("name", str, "again")

@@ -1,12 +1,14 @@
 """Packaging: every package folder is listed, so an installed autopar imports fully."""
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_package_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
     found = {"autopar"} | {
         "autopar." + ".".join(p.parent.relative_to(ROOT).parts)
         for p in ROOT.rglob("__init__.py")
@@ -16,5 +18,6 @@ def test_every_package_is_listed_in_pyproject():
 
 
 def test_readme_opens_with_the_two_commands():
-    lines = [l for l in (ROOT / "README.md").read_text().splitlines() if l.strip().startswith("make ")]
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines()
+             if line.strip().startswith("make ")]
     assert lines[:2] == ["make demo", "make test"]

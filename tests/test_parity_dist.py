@@ -31,8 +31,7 @@ from autopar.models import GPT
 from autopar.models.gpt import lm_loss
 
 from . import models_zoo as zoo
-from .parity import (ATOL, RTOL, assert_same_losses, eager_train, gpt_optimizer, lm_data,
-                     parity_gpt)
+from .parity import ATOL, RTOL, assert_same_losses, eager_train, gpt_optimizer, lm_data, parity_gpt
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STEPS, BATCH, SEQ, VOCAB = 20, 4, 16, 64

@@ -10,8 +10,14 @@ import autopar as ap
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
 
-from .parity import (assert_same_losses, assert_same_params, eager_train, lm_data,
-                     regression_data, twin)
+from .parity import (
+    assert_same_losses,
+    assert_same_params,
+    eager_train,
+    lm_data,
+    regression_data,
+    twin,
+)
 
 STEPS = 20
 
@@ -23,16 +29,21 @@ def _mse(out, y):
 def _groups(model, **base):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0, "lr": base["lr"] * 0.5}]
+    return [{"params": decay, "weight_decay": 0.05},
+            {"params": no_decay, "weight_decay": 0.0, "lr": base["lr"] * 0.5}]
 
 
 OPTIMIZERS = {
-    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
-    "sgd_nesterov_dampening": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.8, nesterov=True),
-    "sgd_dampening": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, dampening=0.3),
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9,
+                                              weight_decay=1e-3),
+    "sgd_nesterov_dampening": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.8,
+                                                        nesterov=True),
+    "sgd_dampening": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9,
+                                               dampening=0.3),
     "sgd_plain": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
-    "adam_amsgrad_wd": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True),
+    "adam_amsgrad_wd": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01,
+                                                  amsgrad=True),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
     "adamw_groups": lambda m: torch.optim.AdamW(_groups(m, lr=2e-3), lr=2e-3),
 }

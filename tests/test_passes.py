@@ -52,7 +52,8 @@ def test_dead_code_drops_unused_ops_but_keeps_results():
 
 def test_manager_refuses_unknown_disabled_pass_and_names_failing_pass():
     with pytest.raises(ValueError, match="unknown passes"):
-        PassManager(disabled=frozenset({"nope"})).run(_gpt_program(), PassContext(PlanInputs.of(Strategy())))
+        PassManager(disabled=frozenset({"nope"})).run(_gpt_program(),
+                                                      PassContext(PlanInputs.of(Strategy())))
 
     def broken(program, ctx):
         program.ops.pop(0)          # drops a definition: the verifier must catch it
@@ -70,3 +71,29 @@ def test_passes_keep_dumps_stable():
     inputs = PlanInputs.of(Strategy())
     assert format_program(PassManager().run(a, PassContext(inputs))) == \
         format_program(PassManager().run(b, PassContext(inputs)))
+
+
+def test_a_pass_that_needs_a_disabled_pass_s_fact_fails_naming_it():
+    """Disabling a pass that later passes depend on fails loudly before they run."""
+    from autopar.passes.context import FactError
+    inputs = PlanInputs.of(Strategy())
+    with pytest.raises(FactError, match="pass 'pin_annotations' needs 'mesh', made by "
+                                        "settle_mesh \\(disabled\\)"):
+        PassManager(disabled=frozenset({"settle_mesh"})).run(_gpt_program(), PassContext(inputs))
+    with pytest.raises(FactError, match="pass 'bucket_collectives' needs 'resharded', made by "
+                                        "reshard \\(disabled\\)"):
+        PassManager(disabled=frozenset({"reshard"})).run(_gpt_program(), PassContext(inputs))
+    # a pass nothing later needs may be left out
+    PassManager(disabled=frozenset({"fold_noops", "bucket_collectives"})).run(
+        _gpt_program(), PassContext(inputs))
+
+
+def test_plan_facts_are_read_only_after_the_pass_that_makes_them():
+    from autopar.passes.context import FactError, PlanState
+    state = PlanState()
+    with pytest.raises(FactError, match="'mesh' is read before pass 'settle_mesh' made it"):
+        state.mesh
+    state.settle_mesh(None, None, {}, {})
+    assert state.mesh is None and state.pipeline is None
+    with pytest.raises(FactError, match="made twice"):
+        state.settle_mesh(None, None, {}, {})

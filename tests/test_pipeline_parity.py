@@ -21,7 +21,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 
 from .multiproc import run_ranks
-from .parity import RTOL, ATOL, assert_same_losses, eager_train, gpt_optimizer, lm_data
+from .parity import ATOL, RTOL, assert_same_losses, eager_train, gpt_optimizer, lm_data
 
 STEPS, BATCH, SEQ, VOCAB = 20, 8, 16, 64
 TP_PLAN = ('{"blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise, '
@@ -116,7 +116,8 @@ def test_pp2_dp2_tp2_trains_like_eager_on_the_simulator():
 
 def test_sequence_parallel_inside_a_pipeline_trains_like_eager():
     """pp2 x tp2 with Megatron-SP: the stages hand each other sequence-sharded activations."""
-    text = strategy(2, "1F1B", tp=2, vocab=True).to_yaml().replace("sequence_parallel: false", "sequence_parallel: true")
+    text = strategy(2, "1F1B", tp=2, vocab=True).to_yaml().replace(
+        "sequence_parallel: false", "sequence_parallel: true")
     losses, model, _ = train(2, "sgd", ap.Strategy.from_yaml_str(text))
     assert_like_eager(losses, model.state_dict(), 2, "sgd")
 

@@ -8,24 +8,29 @@ from torch import nn
 
 import autopar as ap
 from autopar.ir import Role, verify
+from autopar.lower.executable import Recv, Send
+from autopar.lower.lowering import lower_program
+from autopar.lower.pipeline_jobs import JobId
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.assign_phases import PipelineError
 from autopar.passes.split_stages import StageSplitError
-from autopar.pipeline.phases import STAGE
-from autopar.pipeline.job_programs import job_program, local_keys
-from autopar.pipeline.jobs import JobId
+from autopar.pipeline.phases import STAGE, Phase, homes_of
 from autopar.pipeline.schedules import build_schedule
-from autopar.pipeline.phases import Phase, homes_of
-from autopar.passes.partition import partition
 
-from .parity import RTOL, ATOL, assert_same_losses, eager_train, lm_data
-from autopar.pipeline.jobs import MESSAGE
+from .parity import ATOL, RTOL, assert_same_losses, eager_train, lm_data
 
 
 def gpt(layers: int = 4, **kw) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, block_size=16, **kw))
+
+
+def everyone(plan):
+    """Every process of a planned pipelined step, lowered (the engine lowers only what it
+    runs)."""
+    facts = plan.facts
+    return lower_program(plan.program, facts.mesh, facts.pipeline, facts.schedule)
 
 
 def pipeline(pp: int = 2, schedule: str = "1F1B", micro_batches: int = 4, extra: str = "",
@@ -41,7 +46,7 @@ def planned(model: nn.Module, s: ap.Strategy, batch: int = 8):
     engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1), strategy=s)
     x = torch.randint(0, 64, (batch, 16))
     program = engine.prepare(x, x)
-    return engine, program, list(engine._plans.values())[-1]
+    return engine, program, list(engine.planner.steps.values())[-1]
 
 
 def stage_of_module(program, module: str) -> set[int]:
@@ -196,7 +201,7 @@ def test_zbh1_splits_the_backward_into_input_and_weight_gradients():
 def test_every_message_is_sent_and_received_once_and_every_job_verifies(
         schedule, pp, chunks, layers):
     _, program, plan = planned(gpt(layers), pipeline(pp, schedule, vpp_chunks=chunks))
-    pipeline_plan = plan.pipeline
+    pipeline_plan = plan.lowered.jobs
     sent = [m for r in pipeline_plan.ranks for ms in r.sent.values() for m in ms]
     received = [m for r in pipeline_plan.ranks for ms in r.received.values() for m in ms]
     assert sorted(sent, key=str) == sorted(received, key=str) == \
@@ -206,11 +211,10 @@ def test_every_message_is_sent_and_received_once_and_every_job_verifies(
     for rank in pipeline_plan.ranks:     # a rank runs its schedule's jobs, in its order
         assert [j for j in rank.order if j.phase in (Phase.F, Phase.B, Phase.W)] == [
             JobId(Phase(job.kind), job.stage, job.micro_batch) for job in schedule[rank.rank]]
-        local = partition(program, (0,))
-        keys = local_keys(program, local, pipeline_plan.names)
-        for job in rank.order:
-            if job.micro_batch <= 0:
-                verify(job_program(program, local, keys, pipeline_plan, rank, job))
+    for process in everyone(plan).processes.values():    # lowering made and verified them
+        assert process.order == pipeline_plan.ranks[process.pp].order
+        for job in process.programs.values():
+            verify(job.program)
     # both ends of a pair post its messages in one order, the schedule's
     orders = [m.order for m in pipeline_plan.messages]
     assert orders == sorted(orders)
@@ -307,27 +311,22 @@ def test_both_ends_of_every_pair_post_its_messages_in_one_order(schedule, pp, ch
 
     _, program, plan = planned(gpt(layers, tie_weights=tied),
                                pipeline(pp, schedule, vpp_chunks=chunks))
-    pipeline_plan = plan.pipeline
     logs = {}
-    for rank in pipeline_plan.ranks:
-        jobs, shapes = [], {}
-        for job in rank.order:
-            local = partition(program, (max(job.micro_batch, 0),))
-            keys = local_keys(program, local, pipeline_plan.names)
-            jobs.append(job_program(program, local, keys, pipeline_plan, rank, job))
-            shapes.update({op.attrs[MESSAGE]: (op.result.type.shape, op.result.type.dtype)
-                           for op in jobs[-1].ops if op.target == "comm.recv"})
-        transport = Recording(pipeline_plan.messages, rank.rank, lambda r: r, shapes, "cpu")
+    for process in everyone(plan).processes.values():
+        jobs = [process.programs[job] for job in process.order]
+        shapes = {c.message: (c.shape, c.dtype) for job in jobs for c in job.comms.values()
+                  if isinstance(c, Recv)}
+        transport = Recording(process.messages, process.pp, process.peers, shapes, "cpu")
         transport.log = {}
         for job in jobs:
             transport.prefetch()      # as the runtime does between jobs
-            for op in job.ops:
-                if op.target == "comm.recv":
-                    transport.recv(op.attrs[MESSAGE])
-                elif op.target == "comm.send":
-                    transport.send(op.attrs[MESSAGE], torch.zeros(()))
+            for i, comm in sorted(job.comms.items()):
+                if isinstance(comm, Recv):
+                    transport.recv(comm.message)
+                elif isinstance(comm, Send):
+                    transport.send(comm.message, torch.zeros(()))
         transport.finish()
-        logs[rank.rank] = transport.log
+        logs[process.pp] = transport.log
     pairs = {(a, b) for a in logs for b in logs[a]}
     assert pairs
     for a, b in pairs:
@@ -338,7 +337,7 @@ def test_a_tied_weight_s_gradient_crosses_stages_once_per_step():
     """wte on stage 0 and the head on stage 1 share a weight: each stage sums its term over
     the micro-batches and the two terms are exchanged once (not once per micro-batch)."""
     _, program, plan = planned(gpt(4), pipeline(micro_batches=4))
-    messages = plan.pipeline.messages
+    messages = plan.lowered.jobs.messages
     per_micro_batch = [m for m in messages if m.micro_batch >= 0]
     once = [m for m in messages if m.micro_batch < 0]
     assert len(per_micro_batch) == 2 * 4           # an activation forward, its gradient back

@@ -18,13 +18,12 @@ from torch import nn
 
 import autopar as ap
 from autopar.ir import Op, OpKind, TensorType, Value
+from autopar.ir.attrs import MULTI, STRIDES
 from autopar.ir.dist import DistAttr, ProcessMesh, Replicate, Shard, assemble, shard_tensor_local
-from autopar.ir.attrs import STRIDES
 from autopar.ir.ops import resolve
 from autopar.spmd.local_forms import LocalContext, UnsupportedLocalForm, local_call, run_local
 
 from .parity import ATOL, RTOL
-from autopar.ir.attrs import MULTI
 
 SHAPE = (4, 3, 5)
 

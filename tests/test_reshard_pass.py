@@ -7,11 +7,11 @@ import torch
 
 import autopar as ap
 from autopar.ir import OpKind, Role, format_program
+from autopar.ir.attrs import COMM_TEXT
 from autopar.ir.dist import Partial, Replicate
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.reshard import check_resharded
-from autopar.ir.attrs import COMM_TEXT
 from autopar.reshard.comm import BUCKET_STEPS, RESHARD_STEP
 
 
@@ -37,7 +37,8 @@ def test_data_parallel_reduces_each_gradient_once_before_its_update():
             assert grad.dist.placements == (Partial("sum"),)
             assert op.args[1].dist.placements == (Replicate(),)
     reductions = [s for op in program.ops if op.kind is OpKind.COMM
-                  for s in op.attrs.get(BUCKET_STEPS) or [op.attrs.get(RESHARD_STEP)] if s is not None]
+                  for s in op.attrs.get(BUCKET_STEPS) or [op.attrs.get(RESHARD_STEP)]
+                  if s is not None]
     grads = [op for op in program.ops if op.kind is OpKind.CALL and op.role is Role.OPTIMIZER]
     # one all-reduce per gradient, plus the loss's two scalars (sum and count)
     assert len(reductions) == len(grads) + 2

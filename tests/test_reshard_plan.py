@@ -4,13 +4,30 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from autopar.ir.dist import (PARTIAL_OPS, DistAttr, Partial, ProcessMesh, Replicate, Shard,
-                             assemble, chunk_grouped, parse_placements,
-                             shard_tensor_local)
-from autopar.reshard import (AllGather, AllToAll, apply_steps, naive_plan, plan_cost,
-                             plan_reshard, step_is_valid)
+from autopar.ir.dist import (
+    PARTIAL_OPS,
+    DistAttr,
+    Partial,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    assemble,
+    chunk_grouped,
+    parse_placements,
+    shard_tensor_local,
+)
+from autopar.reshard import (
+    AllGather,
+    AllToAll,
+    apply_steps,
+    naive_plan,
+    plan_cost,
+    plan_reshard,
+    step_is_valid,
+)
 
 R, P = Replicate(), Partial
 

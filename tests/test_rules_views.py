@@ -16,11 +16,24 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 from autopar.ir.core import Value
-from autopar.ir.dist import (Partial, ProcessMesh, assemble, local_shape, local_slices,
-                             parse_placements)
+from autopar.ir.dist import (
+    Partial,
+    ProcessMesh,
+    assemble,
+    local_shape,
+    local_slices,
+    parse_placements,
+)
 from autopar.ir.ops import resolve
-from autopar.spmd.dim_transforms import (Flatten, InputDim, Singleton, Split, view_groups,
-                                         view_spec, view_transforms)
+from autopar.spmd.dim_transforms import (
+    Flatten,
+    InputDim,
+    Singleton,
+    Split,
+    view_groups,
+    view_spec,
+    view_transforms,
+)
 from autopar.spmd.registry import tensor_inputs
 
 from .spmd_util import MESH1, MESH2, T, forward, make_op, reverse

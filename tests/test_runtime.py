@@ -4,17 +4,18 @@ import torch
 
 import autopar as ap
 from autopar.ir import Op, OpKind, Program, Slot, StateKind, TensorType, Value
+from autopar.ir.attrs import NAME, SLOTS, STATE
 from autopar.models import MLP
 from autopar.runtime.codegen import generate
-from autopar.ir.attrs import NAME, SLOTS, STATE
 
 
 def _engine_source() -> str:
     torch.manual_seed(0)
     model = MLP(4, 8, 2)
-    engine = ap.Engine(model, lambda o, y: (o - y).pow(2).mean(), torch.optim.Adam(model.parameters()))
+    engine = ap.Engine(model, lambda o, y: (o - y).pow(2).mean(),
+                       torch.optim.Adam(model.parameters()))
     engine.train_step(torch.randn(3, 4), torch.randn(3, 2))
-    (plan,) = engine._plans.values()
+    (plan,) = engine.planner.steps.values()
     return plan.executor.source
 
 
@@ -22,9 +23,9 @@ def test_values_are_deleted_after_their_last_use():
     source = _engine_source()
     assert source.count("del ") > 5
     lines = source.splitlines()
-    first_mm = next(i for i, l in enumerate(lines) if "aten_addmm" in l)
+    first_mm = next(i for i, line in enumerate(lines) if "aten_addmm" in line)
     # the input batch is dead once the backward no longer needs it, long before the return
-    assert any(l.strip().startswith("del ") for l in lines[first_mm:first_mm + 3])
+    assert any(line.strip().startswith("del ") for line in lines[first_mm:first_mm + 3])
 
 
 def test_one_param_group_is_one_optimizer_call():

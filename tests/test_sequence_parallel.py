@@ -13,15 +13,15 @@ import torch
 
 import autopar as ap
 from autopar.ir import OpKind, Program
+from autopar.ir.attrs import MULTI, NAME
 from autopar.ir.dist import Shard
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.pinning import AnnotationError
+from autopar.reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 
 from .models_zoo import MegatronMLP, mse
 from .parity import assert_same_losses, assert_same_params, eager_train, lm_data, twin
-from autopar.ir.attrs import MULTI, NAME
-from autopar.reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 
 PLAN = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
         "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise", "wte": "vocab"}

@@ -1,6 +1,6 @@
-"""The in-process simulator runs a planned global program on every rank of its mesh (each
-rank its partitioned local program, collectives as the reference semantics) and must
-reproduce eager single-device torch, step for step."""
+"""The in-process simulator runs a lowered plan on every rank of its mesh (each rank its
+partitioned local program, collectives as the reference semantics) and must reproduce
+eager single-device torch, step for step."""
 from __future__ import annotations
 
 import pytest
@@ -8,13 +8,14 @@ import torch
 
 import autopar as ap
 from autopar.ir import OpKind, Slot
-from autopar.passes.partition import partition
+from autopar.ir.attrs import NAME
+from autopar.lower.lowering import lower_program
+from autopar.lower.partition import partition
+from autopar.reshard.comm import RESHARD_STEP
 from autopar.runtime.simulator import simulate_step
 
 from .models_zoo import MegatronMLP, mse
 from .parity import ATOL, RTOL, twin
-from autopar.ir.attrs import NAME
-from autopar.reshard.comm import RESHARD_STEP
 
 TP_PLAN = {"fc1": "colwise", "fc2": "rowwise"}
 
@@ -54,19 +55,29 @@ def _make(kind: str, optim: str):
     return engine, ref, opt(ref)
 
 
+def _lowered(engine, x, y):
+    """Every rank of the planned step, lowered, and the engine's whole starting state."""
+    step = engine.planner.plan("train", x, y)
+    lowered = lower_program(step.program, step.facts.mesh, None, None)
+    state = dict(engine.state.tensors)
+    for name, piece in next(iter(lowered.processes.values())).state.items():
+        if name not in state and piece.const is None:
+            state[name] = engine.state.initial(name)
+    return step.program, lowered, state
+
+
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
 @pytest.mark.parametrize("kind,batch", [("dp", 4), ("dp", 5), ("tp", 4), ("dp_tp", 4),
                                         ("dp_tp", 5)])
 def test_simulated_steps_match_eager_single_device(kind, batch, optim):
     engine, ref, ref_opt = _make(kind, optim)
     data = _batches(3, batch)
-    program = engine.prepare(*data[0])
+    program, lowered, state = _lowered(engine, *data[0])
     assert any(op.kind is OpKind.COMM for op in program.ops)
-    engine._init_optimizer_state(program)
-    state = dict(engine.state)
+    given = dict(state)
     before = {k: v.clone() for k, v in state.items() if v is not None}
     for step, (x, y) in enumerate(data):
-        results, state = simulate_step(program, engine._feeds(x, y, "train"), state)
+        results, state = simulate_step(lowered, engine._feeds(x, y, "train"), state)
         ref_opt.zero_grad()
         ref_loss = _mse(ref(x), y)
         ref_loss.backward()
@@ -79,7 +90,7 @@ def test_simulated_steps_match_eager_single_device(kind, batch, optim):
                                        msg=lambda m: f"step {step} {name}: {m}")
         if step == 0:   # the caller's state is never mutated
             for k, v in before.items():
-                assert torch.equal(engine.state[k], v), k
+                assert torch.equal(given[k], v), k
     for name, p in ref.named_parameters():
         for key, value in ref_opt.state[p].items():
             torch.testing.assert_close(state[f"{name}/{key}"], value, rtol=RTOL, atol=ATOL)
@@ -98,7 +109,7 @@ def test_partition_gives_each_rank_its_local_shapes_and_local_calls():
         assert shapes["fc1.bias"] == (32,)
         assert shapes["fc2.weight"] == (16, 32)
         assert shapes["fc2.bias"] == (16,)
-        # comm ops keep their reshard step; the global program is untouched
+        # comm ops stay comm ops; the global program is untouched
         comms = [op for op in local.ops if op.kind is OpKind.COMM]
         assert comms and all(RESHARD_STEP in op.attrs for op in comms)
     assert states["fc1.weight"].type.shape == (64, 16)
@@ -124,10 +135,9 @@ def test_serial_program_is_returned_unchanged_and_simulates_on_one_rank():
     ref = twin(model)
     engine = ap.Engine(model, _mse, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _batches(1, 4)[0]
-    program = engine.prepare(x, y)
+    program, lowered, state = _lowered(engine, x, y)
     assert partition(program, ()) is program
-    engine._init_optimizer_state(program)
-    results, state = simulate_step(program, engine._feeds(x, y, "train"), dict(engine.state))
+    results, state = simulate_step(lowered, engine._feeds(x, y, "train"), state)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     loss = _mse(ref(x), y)
     loss.backward()
@@ -146,6 +156,7 @@ def test_engine_fit_on_the_simulator_matches_eager_gpt(config, dropout):
     and parameters equal single-device eager torch seeded the same way."""
     from autopar.models import GPT, GPTConfig
     from autopar.models.gpt import lm_loss
+
     from .parity import assert_same_losses, assert_same_params, eager_train, lm_data
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16,

@@ -30,13 +30,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 from op_cases import OpCase, by_target, synthetic  # noqa: E402
 
 from autopar.ir import Value  # noqa: E402
-from autopar.ir.dist import (DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard,  # noqa: E402
-                             assemble, format_placements, parse_placements,
-                             shard_tensor_local)
+from autopar.ir.attrs import MULTI
+from autopar.ir.dist import (  # noqa: E402
+    DistAttr,
+    Partial,
+    Placement,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    assemble,
+    format_placements,
+    parse_placements,
+    shard_tensor_local,
+)
 from autopar.spmd import lookup  # noqa: E402
 from autopar.spmd.local_forms import LocalContext, local_call, run_local  # noqa: E402
 from autopar.spmd.registry import tensor_inputs  # noqa: E402
-from autopar.ir.attrs import MULTI
 
 CASES: dict[str, list[OpCase]] = by_target()
 MODEL_TARGETS = sorted(t for t, cs in CASES.items() if any(c.model != "synthetic" for c in cs))

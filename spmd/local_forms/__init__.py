@@ -24,12 +24,11 @@ concrete local tensors (for tests and the simulator). ``None`` means "call uncha
 Every form reads placements from ``ctx``: ``needs`` (what each tensor input holds, in
 ``op.inputs`` order, the rule's decision) and ``outputs`` (what each output holds).
 """
-from .context import LocalCall, LocalContext, UnsupportedLocalForm
-from .registry import LOCAL_FORMS, LocalForm, local_call, register_local_form, run_local
-
 # the family modules, one per op family (like spmd/rules/): importing them fills
 # LOCAL_FORMS
-from . import shapes, reductions, embedding, losses, random, guards  # noqa: F401
+from . import embedding, guards, losses, random, reductions, shapes  # noqa: F401
+from .context import LocalCall, LocalContext, UnsupportedLocalForm
+from .registry import LOCAL_FORMS, LocalForm, local_call, register_local_form, run_local
 from .shapes import SHAPE_ARGS  # noqa: F401
 
 __all__ = ["LocalCall", "LocalContext", "LocalForm", "LOCAL_FORMS", "register_local_form",

@@ -5,8 +5,15 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ...ir.core import Op
-from ...ir.dist import (DistAttr, ProcessMesh, Shard, format_placements, is_grouped,
-                        local_offsets, local_shape)
+from ...ir.dist import (
+    DistAttr,
+    ProcessMesh,
+    Shard,
+    format_placements,
+    is_grouped,
+    local_offsets,
+    local_shape,
+)
 
 
 class UnsupportedLocalForm(NotImplementedError):

@@ -8,7 +8,6 @@ from ...ir.ops import draws_random
 from .context import LocalCall, LocalContext, UnsupportedLocalForm
 from .registry import register_local_form
 
-
 # ----------------------------------------------------------------------------------------
 # kernels that crash on empty pieces (uneven shards leave trailing ranks empty)
 # ----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Class-sharded (vocab-parallel) negative log-likelihood and its backward (kernels: ``ir/kernels/sharded.py``).
+"""Class-sharded (vocab-parallel) negative log-likelihood and its backward (kernels:
+``ir/kernels/sharded.py``).
 
 A rank holds classes [offset, offset + classes) of the log-probabilities (and of the class
 weights). Forward: it reads only the rows whose target falls in that range, so its loss and
@@ -12,6 +13,7 @@ from __future__ import annotations
 from ...ir.core import Op
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
+
 
 def _arg(op: Op, index: int, name: str):
     return op.args[index] if len(op.args) > index else op.kwargs[name]

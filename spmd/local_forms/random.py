@@ -2,8 +2,8 @@
 random tensor, drawn exactly as the single-device run draws it."""
 from __future__ import annotations
 
-from ...ir.core import Op
 from ...ir.attrs import STRIDES
+from ...ir.core import Op
 from .context import LocalCall, LocalContext, UnsupportedLocalForm
 from .registry import register_local_form
 

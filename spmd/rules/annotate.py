@@ -5,10 +5,10 @@ An annotation may pin only some mesh dims (``attrs[PINNED_DIMS]``): on the other
 keeps its producer's placement (sequence parallelism fixes tp and leaves dp to the batch)."""
 from __future__ import annotations
 
+from ...ir.attrs import DIST, ORIGIN, PINNED_DIMS
 from ...ir.dist import DistAttr, Replicate
 from ..einsum import Decision, MeshDimChoice, Option
 from ..registry import register
-from ...ir.attrs import DIST, ORIGIN, PINNED_DIMS
 
 
 def _placed(op, given: DistAttr | None) -> DistAttr:

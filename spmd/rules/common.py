@@ -9,6 +9,7 @@ from ...ir.ops import given_args, schema_args  # noqa: F401  (schema_args: for t
 from ..registry import output_types, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters, pointwise_letters
 
+
 def is_tensor(x: Any) -> bool:
     return isinstance(x, Value) and x.is_tensor
 

@@ -18,7 +18,6 @@ from ..registry import describe, output_types, register, tensor_inputs
 from ..spec import Spec
 from .common import broadcast_letters, input_letters
 
-
 # Plain products: one spec each, linear in each operand.
 _PRODUCTS = {"aten.mm.default": "mk,kn->mn", "aten.bmm.default": "bmk,bkn->bmn",
              "aten.mv.default": "mk,k->m", "aten.dot.default": "k,k->"}

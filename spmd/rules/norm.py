@@ -1,7 +1,8 @@
-"""Normalizations. Layer norm: statistics run over the trailing ``normalized_shape`` dims, so those letters
-stay whole; the leading (token) letters shard freely. mean/rstd keep the normalized dims as
-size 1. In the backward, grad_weight/grad_bias sum over the leading letters, so a sharded
-token letter makes them Partial(sum); every backward output is linear in grad_out."""
+"""Normalizations. Layer norm: statistics run over the trailing ``normalized_shape`` dims, so
+those letters stay whole; the leading (token) letters shard freely. mean/rstd keep the
+normalized dims as size 1. In the backward, grad_weight/grad_bias sum over the leading
+letters, so a sharded token letter makes them Partial(sum); every backward output is linear
+in grad_out."""
 from __future__ import annotations
 
 from ...ir.core import Op

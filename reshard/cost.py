@@ -1,7 +1,7 @@
 """The reshard cost model: bytes one rank moves to change a placement along one mesh dim.
 
 Small and explicit on purpose: completion compares choices with it, and the reshard
-planner (later) picks step sequences with it. Ring algorithms: an all-gather or a
+planner picks step sequences with it. Ring algorithms: an all-gather or a
 reduce-scatter moves (n-1)/n of the full tensor per rank, an all-reduce twice that, an
 all-to-all (n-1)/n of the local piece.
 """

@@ -1,5 +1,5 @@
-"""One pipeline job as a program: the ops a ``RankPlan`` gives the job, cut from a rank's
-local program (``passes.partition``) for one micro-batch, with explicit IR for everything
+"""One pipeline job as a program: the ops a ``RankJobs`` gives the job, cut from a rank's
+local program (``partition``) for one micro-batch, with explicit IR for everything
 that crosses the job's edge:
 
     %3: f32[2,16,32] = input '%136'                  # kept by an earlier job of this rank
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..ir import Op, OpKind, OpaqueType, Program, Role, Slot, Value, verify
-from ..ir.ops import draws_random
-from ..ir.dist import micro_batch_dim
-from ..reshard.steps import MakePartial, Slice
-from .jobs import MESSAGE, JobId, PipelinePlan, RankPlan
-from .phases import Phase
+from ..ir import Op, OpaqueType, OpKind, Program, Role, Slot, Value, verify
 from ..ir.attrs import COMM_TEXT, NAME, SLOTS, Attr
+from ..ir.dist import micro_batch_dim
+from ..ir.ops import draws_random
+from ..pipeline.phases import Phase
 from ..reshard.comm import RESHARD_STEP
+from ..reshard.steps import MakePartial, Slice
+from .pipeline_jobs import MESSAGE, JobId, PipelineJobs, RankJobs
 
 RNG_STATE = OpaqueType("!rng.state")
 GLOBAL_OP: Attr[Op] = Attr("global_op", Op, "a job's comm op: the global op it was cut from")
@@ -32,12 +32,12 @@ GLOBAL_OP: Attr[Op] = Attr("global_op", Op, "a job's comm op: the global op it w
 def local_keys(program: Program, local: Program, names: dict[Value, str]) -> dict[Value, str]:
     """Each value of ``local`` (a partition of ``program``: same ops, same order) by the
     name of its global counterpart."""
-    return {lv: names[gv] for g, l in zip(program.ops, local.ops)
-            for gv, lv in zip(g.outputs, l.outputs)}
+    return {lv: names[gv] for global_op, local_op in zip(program.ops, local.ops)
+            for gv, lv in zip(global_op.outputs, local_op.outputs)}
 
 
-def job_program(program: Program, local: Program, keys: dict[Value, str], plan: PipelinePlan,
-                rank: RankPlan, job: JobId) -> Program:
+def job_program(program: Program, local: Program, keys: dict[Value, str], plan: PipelineJobs,
+                rank: RankJobs, job: JobId) -> Program:
     """The program of ``job`` on one process of ``rank``; ``local`` is the global ``program``
     partitioned at that process's coordinate and the job's micro-batch (any micro-batch for
     a once-a-step job), ``keys`` its values' names (``local_keys``)."""
@@ -46,7 +46,7 @@ def job_program(program: Program, local: Program, keys: dict[Value, str], plan: 
 
 class _JobBuilder:
     def __init__(self, program: Program, local: Program, keys: dict[Value, str],
-                 plan: PipelinePlan, rank: RankPlan, job: JobId):
+                 plan: PipelineJobs, rank: RankJobs, job: JobId):
         self.program, self.local, self.keys = program, local, keys
         self.plan, self.rank, self.job = plan, rank, job
         self.out = Program()
@@ -63,7 +63,6 @@ class _JobBuilder:
             sends.setdefault(message.key, []).append(message)
         self.sends = sends
         recvs = {m.key: m for m in self.rank.received.get(self.job, ())}
-        wanted = {self.keys[v] for op in ops for v in op.inputs if v.producer is not None}
         for key, _ in self.rank.carried_in.get(self.job, ()):
             self._carried(key)
         for i, op in zip(indices, ops):
@@ -185,27 +184,9 @@ def _mesh_of(program: Program):
     return None
 
 
-def format_jobs(program: Program, plan: PipelinePlan, pp: int,
-                coordinate: tuple[int, ...]) -> str:
-    """A process's jobs for the dump: its rank's job order and messages, then every job's
-    program (the first micro-batch's; the others differ only in which rows they read)."""
-    from ..ir.printer import format_program
-    from ..passes.partition import partition
-
-    rank = plan.ranks[pp]
-    local = partition(program, tuple(coordinate) + (0,))
-    keys = local_keys(program, local, plan.names)
-    parts = [plan.layout.describe(), rank.describe()]
-    for job in rank.order:
-        if job.micro_batch in (0, -1):
-            parts.append(f"# job {job}\n" + format_program(
-                job_program(program, local, keys, plan, rank, job)))
-    return "\n\n".join(parts) + "\n"
-
-
 def random_ops(program: Program) -> Sequence[Op]:
     """The ops of the global program that draw random numbers, in program order."""
     return [op for op in program.ops if op.kind is OpKind.CALL and draws_random(op)]
 
 
-__all__ = ["job_program", "local_keys", "format_jobs", "random_ops", "RNG_STATE"]
+__all__ = ["job_program", "local_keys", "random_ops", "RNG_STATE", "GLOBAL_OP"]

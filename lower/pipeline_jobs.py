@@ -1,8 +1,8 @@
 """A pipeline rank's jobs: which ops each runs, which values it keeps for later jobs,
 receives from other ranks, sends and accumulates over micro-batches.
 
-Every rank plans the same global program, so every rank computes the same ``PipelinePlan``
-for all ranks: one ``RankPlan`` per pp position (every process of that position's stage mesh
+Every rank plans the same global program, so every rank computes the same ``PipelineJobs``
+for all ranks: one ``RankJobs`` per pp position (every process of that position's stage mesh
 runs the same jobs on its own pieces) and one list of ``Message``s. A rank runs
 
     pre_mb (each micro-batch) -> pre -> the schedule's F/B/W jobs -> post
@@ -25,11 +25,11 @@ import functools
 from dataclasses import dataclass, field
 
 from ..ir import Op, OpKind, Program, Slot, Value
-from ..ir.printer import value_names
-from .layout import PipelineLayout
-from .phases import BOUNDARY, Phase, homes_of
-from .schedules import Job
 from ..ir.attrs import NAME, Attr
+from ..ir.printer import value_names
+from ..pipeline.layout import PipelineLayout
+from ..pipeline.phases import BOUNDARY, Phase, homes_of
+from ..pipeline.schedules import Job
 
 STEP = -1     # the micro-batch index of a once-a-step value or job
 
@@ -77,7 +77,7 @@ class Accumulation:
 
 
 @dataclass
-class RankPlan:
+class RankJobs:
     rank: int
     stages: list[int]
     order: list[JobId] = field(default_factory=list)
@@ -117,9 +117,9 @@ class RankPlan:
 
 
 @dataclass
-class PipelinePlan:
+class PipelineJobs:
     layout: PipelineLayout
-    ranks: list[RankPlan]
+    ranks: list[RankJobs]
     messages: list[Message]
     names: dict[Value, str]
     keys: dict[str, Value]
@@ -150,7 +150,7 @@ class _Planner:
         self.names = value_names(program)
         self.position = {op: i for i, op in enumerate(program.ops)}
         self.m = layout.micro_batches
-        self.plans = [RankPlan(r, layout.stages_of(r)) for r in range(layout.ranks)]
+        self.plans = [RankJobs(r, layout.stages_of(r)) for r in range(layout.ranks)]
         self.messages: list[Message] = []
 
     def per_mb(self, v: Value) -> bool:
@@ -162,18 +162,18 @@ class _Planner:
             return False
         return any(p.per_micro_batch for _, p in homes_of(op))
 
-    def run(self) -> PipelinePlan:
+    def run(self) -> PipelineJobs:
         for plan in self.plans:
             self._jobs(plan)
         for plan in self.plans:
             self._flows(plan)
         self._order_messages()
         keys = {name: v for v, name in self.names.items()}
-        return PipelinePlan(self.layout, self.plans, self.messages, self.names, keys,
+        return PipelineJobs(self.layout, self.plans, self.messages, self.names, keys,
                             self.schedule)
 
     # -- which ops each job runs ---------------------------------------------------------
-    def _jobs(self, plan: RankPlan) -> None:
+    def _jobs(self, plan: RankJobs) -> None:
         mine = set(plan.stages)
         ops: dict[JobId, list[int]] = {}
         for i, op in enumerate(self.program.ops):
@@ -211,7 +211,7 @@ class _Planner:
         return sorted(set(jobs))
 
     # -- where each value a job reads comes from --------------------------------------------
-    def _flows(self, plan: RankPlan) -> None:
+    def _flows(self, plan: RankJobs) -> None:
         available: dict[tuple[str, int], JobId] = {}
         early = {a.output_key for a in plan.accumulations if a.before is Phase.PRE}
         late = {a.output_key for a in plan.accumulations if a.before is Phase.POST}
@@ -245,12 +245,12 @@ class _Planner:
             return STEP
         return 0 if k == STEP else k
 
-    def _reads(self, op: Op, plan: RankPlan) -> list[Value]:
+    def _reads(self, op: Op, plan: RankJobs) -> list[Value]:
         if op.kind is not OpKind.OUTPUT:
             return op.inputs
         return [v for _, v in self._result_values(plan)]
 
-    def _result_values(self, plan: RankPlan) -> list[tuple[Slot, Value]]:
+    def _result_values(self, plan: RankJobs) -> list[tuple[Slot, Value]]:
         """The program results this rank returns: the updates of the state it holds, the loss
         and the model's outputs (every rank reports them)."""
         mine = set(plan.stages)
@@ -264,10 +264,10 @@ class _Planner:
                 out.append((slot, v))
         return out
 
-    def _results(self, plan: RankPlan) -> list[tuple[Slot, str]]:
+    def _results(self, plan: RankJobs) -> list[tuple[Slot, str]]:
         return [(slot, self.names[v]) for slot, v in self._result_values(plan)]
 
-    def _bring(self, plan: RankPlan, job: JobId, v: Value, k: int,
+    def _bring(self, plan: RankJobs, job: JobId, v: Value, k: int,
                available: dict[tuple[str, int], JobId]) -> None:
         key = self.names[v]
         if BOUNDARY in v.producer.attrs and (key, k) in available:
@@ -294,14 +294,14 @@ class _Planner:
         if dst_job != job:
             self._carry(plan, dst_job, job, key, k)
 
-    def _read_sum(self, plan: RankPlan, job: JobId, key: str) -> None:
+    def _read_sum(self, plan: RankJobs, job: JobId, key: str) -> None:
         carried = plan.carried_in.setdefault(job, [])
         if (key, STEP) not in carried:
             carried.append((key, STEP))
         plan.last_read[(key, STEP)] = max(plan.last_read.get((key, STEP), job), job,
                                           key=plan.order.index)
 
-    def _carry(self, plan: RankPlan, source: JobId, job: JobId, key: str, k: int) -> None:
+    def _carry(self, plan: RankJobs, source: JobId, job: JobId, key: str, k: int) -> None:
         kept = plan.kept.setdefault(source, [])
         if key not in kept:
             kept.append(key)
@@ -311,7 +311,7 @@ class _Planner:
         plan.last_read[(key, k)] = max(plan.last_read.get((key, k), job), job,
                                        key=plan.order.index)
 
-    def _source(self, v: Value, plan: RankPlan) -> tuple[int, Phase]:
+    def _source(self, v: Value, plan: RankJobs) -> tuple[int, Phase]:
         """The home another rank makes ``v`` in (the assign_phases pass checked one fits)."""
         op = v.producer
         if BOUNDARY in op.attrs:
@@ -353,7 +353,7 @@ class _Planner:
                 self._read_sum(self.plans[msg.src], msg.src_job, msg.key)
 
 
-def plan_pipeline(program: Program, layout: PipelineLayout, schedule) -> PipelinePlan:
+def plan_pipeline(program: Program, layout: PipelineLayout, schedule) -> PipelineJobs:
     """Every rank's jobs and every message of one pipelined step of ``program`` (after the
     ``assign_phases`` and ``schedule_pipeline`` passes)."""
     plan = _Planner(program, layout, schedule).run()
@@ -361,7 +361,7 @@ def plan_pipeline(program: Program, layout: PipelineLayout, schedule) -> Pipelin
     return plan
 
 
-def check_messages(plan: PipelinePlan) -> None:
+def check_messages(plan: PipelineJobs) -> None:
     """Every message is sent by one job of its source rank and received by one job of its
     destination, which runs that job; a rank never sends to itself."""
     sent = [m for r in plan.ranks for ms in r.sent.values() for m in ms]
@@ -377,5 +377,5 @@ def check_messages(plan: PipelinePlan) -> None:
         raise AssertionError("pipeline: a job sends or receives a message the plan lacks")
 
 
-__all__ = ["JobId", "Message", "Accumulation", "RankPlan", "PipelinePlan", "plan_pipeline",
+__all__ = ["JobId", "Message", "Accumulation", "RankJobs", "PipelineJobs", "plan_pipeline",
            "check_messages", "STEP"]

@@ -9,9 +9,10 @@ global one with two changes and no new ops:
   shape arguments, global means, sharded embeddings, random slices... are rewritten to
   act on local pieces. The op keeps its input and output Values.
 
-COMM ops keep their reshard step (``op.attrs[RESHARD_STEP]``): a runtime (the in-process
-simulator, later c10d) executes it as a collective across the ranks of its group.
-Ranks' programs have the same ops in the same order, so collectives line up.
+COMM ops stay as they are; lowering says what each runs on this rank (``comms``), and a
+runtime (the in-process simulator, c10d) executes it across the ranks of its group.
+Ranks' programs have the same ops in the same order, so collectives line up. This is the
+one place a rank's program is made.
 
 Local forms read the *global* types (offsets of a piece in the global tensor), so every
 call is rewritten first and types are localized afterwards. A program with no mesh
@@ -21,10 +22,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..ir.attrs import LOCAL_NOTE
 from ..ir.core import OpKind, Program, TensorType
 from ..ir.dist import ProcessMesh, local_shape
 from ..spmd.local_forms import LocalContext, local_call
-from ..ir.attrs import LOCAL_NOTE
 
 __all__ = ["partition", "program_mesh"]
 

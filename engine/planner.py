@@ -1,0 +1,151 @@
+"""Planning a step: capture -> passes -> lowering, once per mode and batch signature.
+
+Planning never executes: it needs the model's shapes, not its memory, so a plan for a
+model too big for this machine can still be made, dumped and inspected. Each planned step
+remembers where its parameters went; later programs of the same engine (eval, predict, a
+new batch shape) keep them there, so every program reads the pieces training updates.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..annotations import param_annotation
+from ..ir import Program, StateKind
+from ..ir.attrs import NAME
+from ..ir.capture import StepSpec, capture
+from ..lower.executable import Lowered
+from ..lower.lowering import Dump, lower_program
+from ..passes.context import PassContext, PlanInputs, PlanState
+from ..passes.manager import PassManager
+from ..passes.parallel_layout import ParallelLayout
+from ..strategy import Strategy
+from .data import batch_size_of
+
+__all__ = ["PlannedStep", "Planner"]
+
+
+@dataclass
+class PlannedStep:
+    """One planned program: what it computes, how it was planned, what each process runs,
+    and (once it first runs) its executor."""
+
+    spec: StepSpec
+    program: Program
+    facts: PlanState
+    pass_timings: dict[str, float]
+    lowered: Lowered
+    executor: Any = None
+    mode: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mode = self.spec.mode
+
+
+class Planner:
+    """Plans the steps of one model, loss and optimizer under one strategy.
+
+    Which processes are lowered: ``process`` only, on real processes; every one when
+    ``every`` (simulating, planning offline) or when dumping; else the first (a one-process
+    plan's, and a check that lowering works)."""
+
+    def __init__(self, model: torch.nn.Module, loss: Callable | None,
+                 optimizer: torch.optim.Optimizer | None, strategy: Strategy,
+                 layout: ParallelLayout, *, dump_dir: str | None = None,
+                 process: int | None = None, every: bool = False):
+        self.model, self.loss, self.optimizer = model, loss, optimizer
+        self.strategy, self.layout = strategy, layout
+        self.dump_dir, self.process, self.every = dump_dir, process, every
+        self.rank = process or 0
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self.kept: dict[str, Any] = {}        # where earlier programs placed each parameter
+        self.steps: dict[tuple, PlannedStep] = {}
+
+    def plan(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
+        """The planned step for this mode and batch signature (planned on first use)."""
+        key = (mode, _signature(inputs), _signature(labels))
+        if key not in self.steps:
+            if mode == "train" and self.optimizer is None:
+                raise ValueError("training needs an optimizer: Engine(model, loss, optimizer=...)")
+            with _gc_paused():
+                self.steps[key] = self._plan(mode, inputs, labels)
+        return self.steps[key]
+
+    def last(self, mode: str) -> PlannedStep | None:
+        found = [step for (m, *_), step in self.steps.items() if m == mode]
+        return found[-1] if found else None
+
+    def _plan(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
+        captured = capture(self.model, self.loss, inputs, labels, mode=mode)
+        ctx = PassContext(PlanInputs(
+            self.strategy, mode, self.optimizer, self.param_names, self.layout.mesh,
+            self.layout.pipeline, self._micro_batches(mode, inputs), self._annotations(),
+            dict(self.kept), rank=self.rank))
+        manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
+        program = manager.run(captured.program, ctx)
+        for op in program.states(StateKind.PARAM):
+            if op.result.dist is not None:
+                self.kept.setdefault(op.attrs[NAME], op.result.dist)
+        facts = ctx.state
+        dump = None if self.dump_dir is None else Dump(
+            self.dump_dir, "" if mode == "train" else f"{mode}_", len(manager.passes) + 1)
+        lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
+                                self._processes(facts), dump, check=self.strategy.debug.verify)
+        return PlannedStep(captured.spec, program, facts, dict(manager.timings), lowered)
+
+    def _processes(self, facts: PlanState) -> list[int] | None:
+        if self.process is not None:
+            return [self.process]
+        if self.every or self.dump_dir is not None:
+            return None
+        mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
+        return None if mesh is None else [min(mesh.process_ids)]
+
+    def _micro_batches(self, mode: str, inputs: Any) -> int | None:
+        """How many micro-batches a pipelined program of this batch uses: the strategy's for
+        training (the batch must divide into dp x micro_batches, or the gradient would not
+        be the full batch's); eval and predict use as many as split their batch evenly."""
+        pipe = self.strategy.pipeline
+        if pipe is None:
+            return None
+        rows = batch_size_of(inputs)
+        dp = self.strategy.degree("data_parallel")
+        if mode == "train":
+            if rows % (dp * pipe.micro_batches):
+                raise ValueError(
+                    f"batch of {rows} rows does not split into data_parallel={dp} x "
+                    f"pipeline.micro_batches={pipe.micro_batches} equal micro-batches "
+                    f"({dp * pipe.micro_batches} must divide the global batch size); "
+                    f"use a batch size that is a multiple of {dp * pipe.micro_batches}")
+            return pipe.micro_batches
+        return max((k for k in range(1, pipe.micro_batches + 1) if rows % (dp * k) == 0),
+                   default=1)
+
+    def _annotations(self) -> dict:
+        found = {name: param_annotation(p) for name, p in self.model.named_parameters()}
+        return {name: dist for name, dist in found.items() if dist is not None}
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning builds tens of thousands of long-lived objects (fake tensors, IR); Python's
+    cyclic collector would rescan them all many times over. Refcounting still frees
+    garbage meanwhile, and the collector resumes afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, spec = pytree.tree_flatten(tree)
+    return (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                             for x in leaves))

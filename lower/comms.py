@@ -1,0 +1,68 @@
+"""What each comm op of a process's program runs, and the way back from a state piece to the
+whole tensor: worked out from the global program's types and placements at the process's
+coordinate, so the runtime does no shape arithmetic and no planning."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..ir import Op, OpKind
+from ..ir.attrs import CONST, NAME, STATE, StateKind
+from ..ir.dist import DistAttr, ProcessMesh, Replicate, local_shape
+from ..reshard import plan_reshard
+from ..reshard.comm import BUCKET_STEPS, RESHARD_STEP
+from .executable import BucketStart, BucketWait, Comm, StatePiece, StepComm
+
+__all__ = ["comm_spec", "step_comm", "state_piece", "member_shapes"]
+
+
+def member_shapes(shape: Sequence[int], mesh: ProcessMesh, placements: Sequence,
+                  coordinate: Sequence[int], mesh_dim: int) -> tuple[tuple[int, ...], ...]:
+    """The piece each member of a process's group along ``mesh_dim`` holds, by index."""
+    return tuple(local_shape(shape, mesh, placements,
+                             tuple(coordinate[:mesh_dim]) + (j,) + tuple(coordinate[mesh_dim + 1:]))
+                 for j in range(mesh.shape[mesh_dim]))
+
+
+def step_comm(step, shape: Sequence[int], dist: DistAttr, coordinate: Sequence[int]) -> StepComm:
+    return StepComm(step, member_shapes(shape, dist.mesh, dist.placements, coordinate,
+                                        step.mesh_dim))
+
+
+def comm_spec(op: Op, coordinate: Sequence[int]) -> Comm:
+    """What comm ``op`` of the *global* program runs on the process at ``coordinate``."""
+    if op.target == "comm.all_reduce_start":
+        steps = op.attrs[BUCKET_STEPS]
+        if len({(s.mesh_dim, s.op) for s in steps}) != 1:
+            raise ValueError(f"{op.target}: a bucket mixes mesh dims or reduce ops: {steps}")
+        return BucketStart(steps, tuple(local_shape(v.type.shape, v.dist.mesh,
+                                                    v.dist.placements, coordinate)
+                                        for v in op.args))
+    if op.target == "comm.wait":
+        return BucketWait()
+    value = op.args[0]
+    return step_comm(op.attrs[RESHARD_STEP], value.type.shape, value.dist, coordinate)
+
+
+def _gather_steps(shape: tuple[int, ...], dist: DistAttr, itemsize: int,
+                  coordinate: Sequence[int]) -> tuple[StepComm, ...]:
+    """The reshard planner's cheapest path from ``dist`` to replicated, as steps."""
+    target = DistAttr(dist.mesh, tuple(Replicate() for _ in dist.placements))
+    placements, out = tuple(dist.placements), []
+    for step in plan_reshard(shape, dist, target, itemsize):
+        out.append(step_comm(step, shape, DistAttr(dist.mesh, placements), coordinate))
+        placements = step.advance(placements)
+    return tuple(out)
+
+
+def state_piece(op: Op, coordinate: Sequence[int], owner: int | None = None) -> StatePiece:
+    """The piece of state ``op`` (a STATE op of the global program) a process at
+    ``coordinate`` holds, and how to gather it whole."""
+    if op.kind is not OpKind.STATE:
+        raise ValueError(f"{op.target}: not a state op")
+    value, name = op.result, op.attrs[NAME]
+    const = op.attrs.get(CONST) if op.attrs[STATE] is StateKind.CONST else None
+    shape = tuple(value.type.shape)
+    gather = () if value.dist is None else _gather_steps(
+        shape, value.dist, value.type.dtype.itemsize, coordinate)
+    return StatePiece(name, shape, value.type.dtype, value.dist, tuple(coordinate), const,
+                      gather, owner)

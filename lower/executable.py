@@ -1,0 +1,154 @@
+"""What a process runs: plain data made once, at plan time, by ``lower.lowering`` and consumed
+by the runtime (real ranks, the simulator, the pipeline runtimes). Nothing here plans or
+executes; every shape, slice and peer a step needs is already worked out.
+
+* ``RankProgram`` — one process of a plan without a pipeline: its local program, what each
+  of its comm ops runs, how to cut its pieces of the fed batch and of the state;
+* ``PipelineProcess`` — one process of a pipelined plan: its jobs (each a program), the
+  order it runs them in, what it keeps between them, its messages and its state pieces;
+* ``Lowered`` — every process lowered for one planned program, with what is needed to put
+  results back together (the simulator) and to describe the plan (dumps, summaries).
+
+Comm specs say what one comm op of a process's program runs: a reshard step with every
+group member's piece shape (``StepComm``), a bucket's asynchronous all-reduce
+(``BucketStart``/``BucketWait``), or a pipeline message (``Send``/``Recv``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+from ..ir import Op, Program, Slot
+from ..ir.dist import DistAttr, ProcessMesh
+from ..pipeline.layout import PipelineLayout
+from ..pipeline.timeline import PipelineSchedule
+from ..reshard.steps import Step
+from .pipeline_jobs import JobId, Message, PipelineJobs, RankJobs
+
+__all__ = ["StepComm", "BucketStart", "BucketWait", "Send", "Recv", "Comm", "StatePiece",
+           "ResultLayout", "RankProgram", "JobProgram", "PipelineProcess", "Lowered", "Shape"]
+
+Shape = tuple[int, ...]
+Slices = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class StepComm:
+    """A reshard step as one process runs it: the piece every member of its group along
+    ``step.mesh_dim`` holds, by index along that dim (collectives pad to the largest)."""
+
+    step: Step
+    member_shapes: tuple[Shape, ...]
+
+
+@dataclass(frozen=True)
+class BucketStart:
+    """An asynchronous all-reduce of several tensors flattened into one buffer."""
+
+    steps: tuple[Step, ...]          # one per input: one mesh dim, one reduce op
+    shapes: tuple[Shape, ...]        # the inputs' local shapes
+
+
+@dataclass(frozen=True)
+class BucketWait:
+    """The end of a bucket's all-reduce: its results, as views of the reduced buffer."""
+
+
+@dataclass(frozen=True)
+class Send:
+    message: Message
+    peer: int                        # the receiving process
+
+
+@dataclass(frozen=True)
+class Recv:
+    message: Message
+    peer: int                        # the sending process
+    shape: Shape
+    dtype: torch.dtype
+
+
+Comm = Union[StepComm, BucketStart, BucketWait, Send, Recv]
+
+
+@dataclass(frozen=True)
+class StatePiece:
+    """A process's piece of one state value (parameter, buffer, optimizer state, constant)."""
+
+    name: str
+    shape: Shape                     # global
+    dtype: torch.dtype
+    dist: DistAttr | None            # None: whole (serial)
+    coordinate: tuple[int, ...]      # where the piece is cut, on ``dist.mesh``
+    const: torch.Tensor | None = None            # a constant's whole value
+    gather: tuple[StepComm, ...] = ()            # the steps back to the whole tensor
+    owner: int | None = None         # pipelines: the pp position whose copy is the value
+
+
+@dataclass(frozen=True)
+class ResultLayout:
+    """A program result's global shape and placement (to assemble it from pieces)."""
+
+    slot: Slot
+    shape: Shape | None              # None: not a tensor
+    dist: DistAttr | None
+
+
+@dataclass
+class RankProgram:
+    process: int
+    coordinate: tuple[int, ...]      # on the plan's mesh; () when serial
+    program: Program                 # local shapes, local calls
+    comms: dict[int, Comm]           # op index in ``program`` -> what it runs
+    inputs: dict[str, Slices]        # the piece of each fed tensor that is not whole
+    state: dict[str, StatePiece]
+    draws_random: bool               # the step draws random numbers (seed it)
+
+
+@dataclass
+class JobProgram:
+    job: JobId
+    program: Program
+    comms: dict[int, Comm]
+
+
+@dataclass
+class PipelineProcess:
+    process: int
+    pp: int                          # its position along the pipeline axis
+    coordinate: tuple[int, ...]      # on its stage mesh
+    jobs: RankJobs                   # its pp position's jobs, carries, sums and results
+    programs: dict[JobId, JobProgram]
+    micro_batch_inputs: tuple[dict[str, Slices], ...]    # per micro-batch
+    state: dict[str, StatePiece]     # every state of the program (held: its stages read it)
+    held: frozenset[str]             # the states this process holds a piece of
+    messages: tuple[Message, ...]    # the messages it sends or receives, in posting order
+    peers: dict[int, int]            # pp position -> the process at the same coordinate
+    random_ops: tuple[tuple[str, Op], ...]   # (feed key, global random op): eager's RNG
+
+    @property
+    def order(self) -> list[JobId]:
+        return self.jobs.order
+
+
+@dataclass
+class Lowered:
+    """Every lowered process of one planned program."""
+
+    program: Program                 # the planned global program (not to be changed)
+    mesh: ProcessMesh | None         # its mesh (a pipeline's logical mesh); None: serial
+    processes: dict[int, RankProgram | PipelineProcess]
+    results: tuple[ResultLayout, ...]
+    pipeline: PipelineLayout | None = None
+    schedule: PipelineSchedule | None = None
+    jobs: PipelineJobs | None = None
+    draws_random: bool = False
+    random_ops: tuple[tuple[str, Op], ...] = field(default=())
+
+    def process(self, process: int) -> RankProgram | PipelineProcess:
+        if process not in self.processes:
+            raise KeyError(f"process {process} was not lowered (lowered: "
+                           f"{sorted(self.processes)})")
+        return self.processes[process]

@@ -1,0 +1,130 @@
+"""Where a process's state lives, and which executor runs a lowered plan there. An engine
+holds one runtime for its lifetime:
+
+* ``LocalRuntime`` — everything in this process: a serial plan (the model's own tensors,
+  trained in place), every rank of a plan simulated (``debug.simulate``: full tensors, each
+  step cut into pieces and assembled back), or a pipeline of one process;
+* ``DistributedRuntime`` — this process as one of several real ones under torchrun: it joins
+  the process group, makes each mesh's groups once, and holds this process's pieces of the
+  state (``RankState``); every plan of the engine keeps its state where the first put it.
+
+``executor(lowered, initial)`` picks the implementation from the plan (``ProgramExecutor``,
+``SimulatedExecutor``, ``PipelineExecutor``, ``PipelineSimulator``); ``initial(name)`` is the
+whole starting value of a state (a parameter, or fresh optimizer state; None for one the
+first update creates).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..lower.executable import Lowered, PipelineProcess, RankProgram
+from .executor import Executor, ProgramExecutor
+from .pipeline_process import PipelineExecutor, logical_groups
+from .pipeline_simulator import PipelineSimulator
+from .process_groups import check_launch, init_distributed, mesh_groups, p2p_group
+from .simulator import SimulatedExecutor
+from .state import PipelineAxis, RankState
+
+__all__ = ["Initial", "LocalRuntime", "DistributedRuntime"]
+
+Initial = Callable[[str], "torch.Tensor | None"]
+
+
+def _processes(lowered: Lowered) -> int:
+    if lowered.pipeline is not None:
+        return lowered.pipeline.world_size
+    return lowered.mesh.size if lowered.mesh is not None else 1
+
+
+class LocalRuntime:
+    """Full tensors in this process, by state name (``state``: shared with the engine)."""
+
+    def __init__(self, state: dict[str, Any], simulate: bool, launched: int = 1):
+        self.state, self.simulate, self.launched = state, simulate, launched
+
+    def executor(self, lowered: Lowered, initial: Initial) -> Executor:
+        processes = _processes(lowered)
+        if processes > 1 and not self.simulate:
+            check_launch(processes, self.launched)     # raises: a launch that cannot run it
+        for name, piece in next(iter(lowered.processes.values())).state.items():
+            if name not in self.state and piece.const is None:
+                self.state[name] = initial(name)
+        if lowered.pipeline is not None:
+            if processes == 1 and not self.simulate:
+                return PipelineExecutor(lowered.process(0), self.state,
+                                        lowered.mesh, groups=None)
+            return PipelineSimulator(lowered, self.state)
+        if processes > 1:
+            return SimulatedExecutor(lowered, self.state)
+        return ProgramExecutor(lowered.process(0), self.state)
+
+    def names(self) -> list[str]:
+        return sorted(self.state)
+
+    def full(self, name: str) -> torch.Tensor | None:
+        return self.state.get(name)
+
+    @property
+    def holds_pieces(self) -> bool:
+        return False
+
+
+class DistributedRuntime:
+    """This process of a launch of ``world`` processes (torchrun's RANK and WORLD_SIZE)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+        self.state: RankState | None = None
+        self._mesh = None                 # the mesh (or full pipeline mesh) state lives on
+
+    def executor(self, lowered: Lowered, initial: Initial) -> Executor:
+        processes = _processes(lowered)
+        if processes == 1 and lowered.pipeline is None:
+            raise ValueError(
+                f"a plan with no mesh (serial) cannot run on a launch of world size "
+                f"{self.world}: give the strategy a mesh of {self.world} ranks, or launch one "
+                "process")
+        init_distributed(self.device, processes, self.world)
+        made = lowered.process(self.rank)
+        if isinstance(made, PipelineProcess):
+            return self._pipeline(lowered, made, initial)
+        return self._rank(lowered, made, initial)
+
+    def _rank(self, lowered: Lowered, made: RankProgram, initial: Initial) -> Executor:
+        groups = mesh_groups(lowered.mesh)
+        state = self._state(lowered.mesh, lambda: RankState(groups, device=self.device))
+        state.adopt(made.state, made.state, initial)
+        return ProgramExecutor(made, state.tensors, groups)
+
+    def _pipeline(self, lowered: Lowered, made: PipelineProcess, initial: Initial) -> Executor:
+        full_mesh = lowered.pipeline.full_mesh
+        groups = mesh_groups(full_mesh)
+        group = p2p_group(full_mesh)
+        axis = PipelineAxis(made.pp, made.peers, groups.axes[0].group)
+        state = self._state(full_mesh, lambda: RankState(
+            logical_groups(groups, lowered.mesh, made.coordinate, 0), axis, self.device))
+        state.adopt(made.state, made.held, initial)
+        return PipelineExecutor(made, state.tensors, lowered.mesh, groups, group, self.device)
+
+    def _state(self, mesh, make: Callable[[], RankState]) -> RankState:
+        """This process's state (made with the first plan; every later plan of the engine
+        runs on the same processes and keeps its state there)."""
+        if self.state is None:
+            self.state, self._mesh = make(), mesh
+        elif mesh != self._mesh:
+            raise ValueError(f"this engine runs on {self._mesh}; a program planned on {mesh} "
+                             "cannot share its state")
+        return self.state
+
+    def names(self) -> list[str]:
+        return self.state.names() if self.state is not None else []
+
+    def full(self, name: str) -> torch.Tensor | None:
+        """A state gathered whole (a collective: every process calls it, same order)."""
+        return self.state.full(name)
+
+    @property
+    def holds_pieces(self) -> bool:
+        return True

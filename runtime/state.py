@@ -1,0 +1,97 @@
+"""A process's pieces of the state (parameters, buffers, optimizer state, constants) on real
+processes, and the way back to whole tensors.
+
+A state value lives in one placement for the engine's lifetime: the first program that
+reads it cuts this process's piece from the whole initial value (``adopt``), and later
+programs (eval, predict, a new batch shape) are planned with the parameters pinned where
+training keeps them; a program that wants another placement is refused. ``full`` gathers a
+value whole by the steps lowering found; in a pipeline the copy of the lowest stage that
+holds it is broadcast over the pipeline axis. Both are collectives: every process calls
+them for the same names in the same order.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..ir.dist import shard_tensor_local
+from ..lower.executable import StatePiece
+from .collectives import bind_step
+from .process_groups import MeshGroups
+
+__all__ = ["RankState", "PipelineAxis", "cut_piece"]
+
+
+def cut_piece(whole: torch.Tensor | None, piece: StatePiece) -> torch.Tensor | None:
+    """The piece of ``whole`` a process holds (None stays None: a state the first update
+    creates, such as SGD's momentum buffer)."""
+    if whole is None or piece.dist is None:
+        return whole
+    return shard_tensor_local(whole, piece.dist.mesh, piece.dist.placements, piece.coordinate)
+
+
+class PipelineAxis:
+    """How a pipeline process reaches the other stages' copies: its pp position, the
+    process at its coordinate on every pp position, and the group along the pp axis."""
+
+    def __init__(self, pp: int, peers: Mapping[int, int], group) -> None:
+        self.pp, self.peers, self.group = pp, dict(peers), group
+
+
+class RankState:
+    """This process's pieces, by state name."""
+
+    def __init__(self, groups: MeshGroups | None, pipeline: PipelineAxis | None = None,
+                 device: torch.device | None = None):
+        self.groups, self.pipeline = groups, pipeline
+        self.device = device or torch.device("cpu")
+        self.tensors: dict[str, torch.Tensor | None] = {}
+        self.pieces: dict[str, StatePiece] = {}      # every state known, held or not
+
+    def adopt(self, pieces: Mapping[str, StatePiece], held: Iterable[str],
+              initial: Callable[[str], torch.Tensor | None]) -> None:
+        """Cut the pieces of ``held`` states not held yet from ``initial(name)`` (the whole
+        starting value; a constant's own), and learn every state's layout."""
+        held = set(held)
+        for name, piece in pieces.items():
+            known = self.pieces.get(name)
+            if known is not None and known.dist is not None and \
+                    tuple(known.dist.placements) != tuple(piece.dist.placements):
+                raise ValueError(
+                    f"state {name!r} is kept at {known.dist} but a program wants it at "
+                    f"{piece.dist}; a state value keeps one placement for the engine's lifetime")
+            self.pieces.setdefault(name, piece)
+            if name in held and name not in self.tensors:
+                whole = piece.const if piece.const is not None else initial(name)
+                self.tensors[name] = cut_piece(whole, piece)
+
+    def names(self) -> list[str]:
+        """Every state known but constants, in the order every process calls ``full``."""
+        return sorted(name for name, piece in self.pieces.items() if piece.const is None)
+
+    def full(self, name: str) -> torch.Tensor | None:
+        """The whole tensor of state ``name`` (None where it does not exist yet)."""
+        piece = self.pieces[name]
+        mine = self.pipeline is None or piece.owner == self.pipeline.pp
+        value = self._gathered(name, piece) if mine else None
+        if self.pipeline is None or len(self.pipeline.peers) == 1 or self.groups is None:
+            return value
+        source = self.pipeline.peers[piece.owner]
+        present = torch.tensor([value is not None], dtype=torch.int32, device=self.device)
+        dist.broadcast(present, src=source, group=self.pipeline.group)
+        if not present.item():
+            return None
+        if value is None:
+            value = torch.empty(piece.shape, dtype=piece.dtype, device=self.device)
+        dist.broadcast(value, src=source, group=self.pipeline.group)
+        return value
+
+    def _gathered(self, name: str, piece: StatePiece) -> torch.Tensor | None:
+        value = self.tensors.get(name)
+        if value is None or self.groups is None:
+            return value
+        for comm in piece.gather:
+            value = bind_step(comm, self.groups)(value)
+        return value
