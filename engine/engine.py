@@ -27,6 +27,7 @@ from .data import batch_size_of, batches
 from .launch import Launch
 from .logging import ProgressLog
 from .model_state import ModelState
+from .offline import finish_offline_plan
 from .planner import PlannedStep, Planner
 
 # Strategy sections this version can plan (completion places every value); any other
@@ -103,24 +104,13 @@ class Engine:
     def _ready(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
         """The planned step with its executor (made on first use)."""
         step = self.planner.plan(mode, inputs, labels)
-        if self.launch.offline is not None:
-            self._report_offline_plan(step)
+        if self.launch.offline is not None:      # ``python -m autopar plan`` ran the script
+            finish_offline_plan(self, step.mode, self.launch.offline)
         if step.executor is None:
             step.executor = self.runtime.executor(step.lowered, self.state.initial)
             if step.lowered.pipeline is not None and self.strategy.debug.trace:
                 step.executor.keep_trace()
         return step
-
-    def _report_offline_plan(self, step: PlannedStep) -> None:
-        """``python -m autopar plan``: the first step is planned for every rank; write the
-        report and end the script (it ran only to be planned)."""
-        offline = self.launch.offline
-        lines = [self.summary(step.mode),
-                 f"dumps: {self.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
-        lines += [f"\nexplain {what}:\n{self.explain(what, step.mode)}"
-                  for what in offline.explain]
-        Path(offline.report).write_text("\n".join(lines) + "\n")
-        raise SystemExit(0)
 
     def _feeds(self, inputs: Any, labels: Any, mode: str) -> dict[str, Any]:
         feeds = {f"batch/{i}": t for i, t in enumerate(flatten_batch(inputs, labels)[0])}

@@ -18,11 +18,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 from ..strategy import DUMP_DIR_ENV
-from .launch import PLAN_EXPLAIN_ENV, PLAN_REPORT_ENV, PLAN_STRATEGY_ENV
+from .launch import PLAN_EXPLAIN_ENV, PLAN_REPORT_ENV, PLAN_STRATEGY_ENV, OfflinePlanning
 
-__all__ = ["plan_script"]
+__all__ = ["plan_script", "finish_offline_plan"]
 
 # torchrun's variables: the child plans every rank itself, in one process
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -47,3 +48,14 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
                              "before its first step was planned; its output is above")
         raise SystemExit(f"autopar plan: {script} finished without a training, evaluation or "
                          "prediction step, so nothing was planned")
+
+
+def finish_offline_plan(engine, mode: str, offline: OfflinePlanning) -> NoReturn:
+    """In the script's process: its first step is planned for every rank; write the report
+    (the plan at a glance, where the dumps are, the explanations asked for) and end the
+    process, which ran only to be planned."""
+    lines = [engine.summary(mode),
+             f"dumps: {engine.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
+    lines += [f"\nexplain {what}:\n{engine.explain(what, mode)}" for what in offline.explain]
+    Path(offline.report).write_text("\n".join(lines) + "\n")
+    raise SystemExit(0)

@@ -53,7 +53,7 @@ class _JobBuilder:
         self.local_by_key = {key: v for v, key in keys.items()}
         self.remap: dict[Value, Value] = {}
         self.by_key: dict[str, Value] = {}      # new values by key, once made
-        self.mb = micro_batch_dim(_mesh_of(local)) if _mesh_of(local) is not None else None
+        self.mb = micro_batch_dim(plan.layout.logical_mesh)
 
     def build(self) -> Program:
         indices = self.rank.ops[self.job]
@@ -174,14 +174,6 @@ class _JobBuilder:
 
 def _mb(message) -> str:
     return "" if message.micro_batch < 0 else f" mb{message.micro_batch}"
-
-
-def _mesh_of(program: Program):
-    for op in program.ops:
-        for v in op.outputs:
-            if v.is_tensor and v.dist is not None:
-                return v.dist.mesh
-    return None
 
 
 def random_ops(program: Program) -> Sequence[Op]:

@@ -16,6 +16,7 @@ and nothing else) and, with a dump target, written to ``rank<r>/<NN>_partition.t
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -90,8 +91,9 @@ def lower_program(program: Program, mesh: ProcessMesh | None,
 
 
 def _serial(program: Program, random: bool) -> RankProgram:
-    state = {op.attrs[NAME]: state_piece(op, ()) for op in program.ops_of(OpKind.STATE)
-             if op.result.is_tensor}
+    """One process runs the program itself (no mesh, or a mesh of one): every state whole."""
+    state = {op.attrs[NAME]: dataclasses.replace(state_piece(op, ()), dist=None, gather=())
+             for op in program.ops_of(OpKind.STATE) if op.result.is_tensor}
     return RankProgram(0, (), program, {}, {}, state, random)
 
 
@@ -100,7 +102,7 @@ def _rank_program(program: Program, mesh: ProcessMesh, process: int,
     coordinate = mesh.coordinate(process)
     if coordinate is None:
         raise LoweringError(f"process {process} is not on {mesh}")
-    local = partition(program, coordinate)
+    local = partition(program, mesh, coordinate)
     comms = {i: comm_spec(g, coordinate)
              for i, g in enumerate(program.ops) if g.kind is OpKind.COMM}
     inputs = {}
@@ -150,7 +152,7 @@ def _pipeline_process(lowered: Lowered, jobs: PipelineJobs, process: int, pp: in
     for job in rank.order:
         k = max(job.micro_batch, 0)
         if k not in partitions:
-            local = partition(program, coordinate + (k,))
+            local = partition(program, lowered.mesh, coordinate + (k,))
             partitions[k] = (local, local_keys(program, local, jobs.names))
         made = job_program(program, *partitions[k], jobs, rank, job)
         programs[job] = JobProgram(job, made, _job_comms(made, coordinate + (k,), peers))

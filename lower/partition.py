@@ -16,7 +16,7 @@ one place a rank's program is made.
 
 Local forms read the *global* types (offsets of a piece in the global tensor), so every
 call is rewritten first and types are localized afterwards. A program with no mesh
-(serial: no value has a dist) is returned unchanged.
+(serial) is returned unchanged.
 """
 from __future__ import annotations
 
@@ -27,21 +27,12 @@ from ..ir.core import OpKind, Program, TensorType
 from ..ir.dist import ProcessMesh, local_shape
 from ..spmd.local_forms import LocalContext, local_call
 
-__all__ = ["partition", "program_mesh"]
+__all__ = ["partition"]
 
 
-def program_mesh(program: Program) -> ProcessMesh | None:
-    """The mesh of the program's placements (the first dist found); None when serial."""
-    for op in program.ops:
-        for v in op.outputs:
-            if v.is_tensor and v.dist is not None:
-                return v.dist.mesh
-    return None
-
-
-def partition(program: Program, coordinate: Sequence[int]) -> Program:
-    """The local program of the rank at ``coordinate`` of the program's mesh."""
-    mesh = program_mesh(program)
+def partition(program: Program, mesh: ProcessMesh | None, coordinate: Sequence[int]) -> Program:
+    """The local program of the rank at ``coordinate`` of ``mesh``, the program's mesh (the
+    planned ``PlanState.mesh``; None: serial, the program itself)."""
     if mesh is None:
         return program
     coordinate = tuple(coordinate)

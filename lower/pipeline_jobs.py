@@ -30,6 +30,7 @@ from ..ir.printer import value_names
 from ..pipeline.layout import PipelineLayout
 from ..pipeline.phases import BOUNDARY, Phase, homes_of
 from ..pipeline.schedules import Job
+from ..pipeline.timeline import PipelineSchedule
 
 STEP = -1     # the micro-batch index of a once-a-step value or job
 
@@ -123,7 +124,7 @@ class PipelineJobs:
     messages: list[Message]
     names: dict[Value, str]
     keys: dict[str, Value]
-    schedule: object = None        # the schedule pass's PipelineSchedule
+    schedule: PipelineSchedule | None = None     # the schedule_pipeline pass's
 
     def describe(self) -> str:
         return "\n".join(r.describe() for r in self.ranks)
@@ -145,7 +146,8 @@ def _job_time(job: JobId, position: int, timeline_end: dict[Job, float]) -> tupl
 
 
 class _Planner:
-    def __init__(self, program: Program, layout: PipelineLayout, schedule) -> None:
+    def __init__(self, program: Program, layout: PipelineLayout,
+                 schedule: PipelineSchedule) -> None:
         self.program, self.layout, self.schedule = program, layout, schedule
         self.names = value_names(program)
         self.position = {op: i for i, op in enumerate(program.ops)}
@@ -353,7 +355,8 @@ class _Planner:
                 self._read_sum(self.plans[msg.src], msg.src_job, msg.key)
 
 
-def plan_pipeline(program: Program, layout: PipelineLayout, schedule) -> PipelineJobs:
+def plan_pipeline(program: Program, layout: PipelineLayout,
+                  schedule: PipelineSchedule) -> PipelineJobs:
     """Every rank's jobs and every message of one pipelined step of ``program`` (after the
     ``assign_phases`` and ``schedule_pipeline`` passes)."""
     plan = _Planner(program, layout, schedule).run()

@@ -66,7 +66,7 @@ class Homes(tuple):
 STAGE: Attr[int] = Attr("stage", int, "the pipeline stage an op runs on (split_stages)",
                         note=lambda stage: f"@s{stage}")
 STAGE_HINT: Attr[int] = Attr("stage_hint", int, "the stage whose mesh a traced annotation "
-                             "was made on (annotate_mesh)")
+                             "was made on (settle_mesh)")
 HOMES: Attr[Homes] = Attr("homes", Homes, "every (stage, phase) an op runs in "
                           "(assign_phases)", note=lambda h: f"@{h}", replaces=("stage",))
 BOUNDARY: Attr[Step] = Attr("boundary", Step, "a sum or gather over micro-batches (its "

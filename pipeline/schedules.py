@@ -1,8 +1,8 @@
 """Pipeline schedules as data: the ordered job list every pipeline rank runs.
 
 A schedule is only an order. What a job computes, which tensors it sends and when it may
-start are decided elsewhere (the pipeline pass, the runtime, ``timeline.play``); keeping the
-order pure lets tests check every schedule against the dependency rules without torch.
+start are decided elsewhere (the passes, lowering, the runtime, ``timeline.play``); keeping
+the order pure lets tests check every schedule against the dependency rules without torch.
 
 Vocabulary (p = ranks along the pp axis, m = micro-batches, v = chunks per rank):
 

@@ -2,8 +2,9 @@
 a text picture and a Chrome/Perfetto trace.
 
 The same rules serve three readers: tests (is a schedule valid, how big is its bubble), the
-pipeline pass (which jobs exchange tensors across ranks) and people debugging a run (what did
-each rank wait for). Times are in abstract units; ``timeline_events`` maps 1 unit to 1 ms.
+pipeline passes and lowering (which jobs exchange tensors across ranks) and people
+debugging a run (what did each rank wait for). Times are in abstract units;
+``timeline_events`` maps 1 unit to 1 ms.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def _shape(jobs: list[list[Job]]) -> tuple[int, int, bool]:
 
 def transfers(jobs: list[list[Job]]) -> list[Transfer]:
     """Every cross-rank dependency, in the consumers' order (rank by rank): what the
-    pipeline pass turns into send/recv pairs."""
+    lowering turns into send/recv pairs."""
     ranks, stages, split = _shape(jobs)
     where = {job: rank for rank, rank_jobs in enumerate(jobs) for job in rank_jobs}
     out = []

@@ -396,7 +396,7 @@ def test_gpt_tp_plan_runs_attention_on_local_heads_without_forward_communication
     sdpa = [op for op in program.ops
             if op.target == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
     assert len(sdpa) == 2
-    local = partition(program, (1,))
+    local = partition(program, engine.planner.last("train").facts.mesh, (1,))
     for op in sdpa:
         assert all(v.dist.placements == (Shard(1),) for v in op.inputs if v.is_tensor)
         i = program.ops.index(op)

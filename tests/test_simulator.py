@@ -55,6 +55,10 @@ def _make(kind: str, optim: str):
     return engine, ref, opt(ref)
 
 
+def _mesh(engine):
+    return engine.planner.last("train").facts.mesh
+
+
 def _lowered(engine, x, y):
     """Every rank of the planned step, lowered, and the engine's whole starting state."""
     step = engine.planner.plan("train", x, y)
@@ -102,7 +106,7 @@ def test_partition_gives_each_rank_its_local_shapes_and_local_calls():
     states = {op.attrs[NAME]: op.result for op in program.ops_of(OpKind.STATE)}
     assert states["fc1.weight"].type.shape == (64, 16)
     for coordinate in [(0,), (1,)]:
-        local = partition(program, coordinate)
+        local = partition(program, _mesh(engine), coordinate)
         assert len(local.ops) == len(program.ops)
         shapes = {op.attrs[NAME]: op.result.type.shape for op in local.ops_of(OpKind.STATE)}
         assert shapes["fc1.weight"] == (32, 16)
@@ -120,7 +124,7 @@ def test_partition_rewrites_global_shape_arguments_and_uneven_pieces():
     program = engine.prepare(torch.randn(5, 16), torch.randn(5, 16))
     views = [i for i, op in enumerate(program.ops) if op.target == "aten.view.default"]
     assert views
-    batch = {c: partition(program, c) for c in [(0, 0), (1, 1)]}
+    batch = {c: partition(program, _mesh(engine), c) for c in [(0, 0), (1, 1)]}
     inputs = {c: [op.result.type.shape for op in p.ops_of(OpKind.INPUT) if op.result.is_tensor]
               for c, p in batch.items()}
     assert inputs[(0, 0)] == [(3, 16), (3, 16)] and inputs[(1, 1)] == [(2, 16), (2, 16)]
@@ -136,7 +140,7 @@ def test_serial_program_is_returned_unchanged_and_simulates_on_one_rank():
     engine = ap.Engine(model, _mse, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _batches(1, 4)[0]
     program, lowered, state = _lowered(engine, x, y)
-    assert partition(program, ()) is program
+    assert partition(program, _mesh(engine), ()) is program
     results, state = simulate_step(lowered, engine._feeds(x, y, "train"), state)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     loss = _mse(ref(x), y)
