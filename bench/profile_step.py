@@ -214,7 +214,7 @@ def _profiled(sides: dict[str, Callable], steps: int) -> list[str]:
 def profile_pair(engine, ours: Callable, theirs_name: str, theirs: Callable, rank: int,
                  steps: int = STEPS) -> None:
     """Print (rank 0) where autopar's distributed step and the baseline's spend time."""
-    local = _train_plan(engine).local
+    local = _train_plan(engine).lowered.process(rank).program
     ops = sum(op.kind is OpKind.CALL for op in local.ops)
     comm_ops = sum(op.kind is OpKind.COMM for op in local.ops)
     lines = [f"--- profile, rank 0, {steps} steps each, interleaved ---",

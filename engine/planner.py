@@ -51,8 +51,9 @@ class Planner:
     """Plans the steps of one model, loss and optimizer under one strategy.
 
     Which processes are lowered: ``process`` only, on real processes; every one when
-    ``every`` (simulating, planning offline) or when dumping; else the first (a one-process
-    plan's, and a check that lowering works)."""
+    ``every`` (simulating, planning offline) or when dumping; a one-process plan's; else none
+    (a plan for several processes made in one that neither simulates nor dumps is only
+    inspected: nothing here can run it)."""
 
     def __init__(self, model: torch.nn.Module, loss: Callable | None,
                  optimizer: torch.optim.Optimizer | None, strategy: Strategy,
@@ -101,10 +102,10 @@ class Planner:
     def _processes(self, facts: PlanState) -> list[int] | None:
         if self.process is not None:
             return [self.process]
-        if self.every or self.dump_dir is not None:
-            return None
         mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
-        return None if mesh is None else [min(mesh.process_ids)]
+        if self.every or self.dump_dir is not None or mesh is None or mesh.size == 1:
+            return None
+        return []
 
     def _micro_batches(self, mode: str, inputs: Any) -> int | None:
         """How many micro-batches a pipelined program of this batch uses: the strategy's for
