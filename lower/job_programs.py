@@ -142,7 +142,7 @@ class _JobBuilder:
                          "over micro-batches runs between jobs, not in one")
 
     def _restore_rng(self, global_op: Op) -> None:
-        """Set the generator to the state eager has at this random op (``RngTable``)."""
+        """Set the generator to the state eager has at this random op (``runtime.rng``)."""
         key = self.plan.names[global_op.outputs[0]]
         state = self.out.add(Op(OpKind.INPUT, "input", outputs=[Value(RNG_STATE)],
                                 role=Role.COMM, attrs={NAME: f"rng/{key}"})).result

@@ -87,6 +87,9 @@ _UNSET: Any = object()
 _MADE_BY = {"mesh": "settle_mesh", "pipeline": "settle_mesh",
             "param_placements": "settle_mesh", "param_stages": "settle_mesh",
             "schedule": "schedule_pipeline"}
+# the fields each fact carries
+_FIELDS = {Fact.MESH: ("mesh", "pipeline", "param_placements", "param_stages"),
+           Fact.SCHEDULE: ("schedule",)}
 
 
 class PlanState:
@@ -140,6 +143,14 @@ class PlanState:
 
     def set_schedule(self, schedule: PipelineSchedule | None) -> None:
         self._set(schedule=schedule)
+
+    def check_made(self, facts: frozenset[Fact], by: str) -> None:
+        """Every field of ``facts`` is set (after pass ``by``, which declares it makes them)."""
+        unset = [name for fact in facts for name in _FIELDS.get(fact, ())
+                 if name not in self._values]
+        if unset:
+            raise FactError(f"pass '{by}' declares it makes {sorted(f.value for f in facts)} "
+                            f"but left {unset} unset")
 
     def _set(self, **values: Any) -> None:
         for name, value in values.items():

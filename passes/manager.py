@@ -112,6 +112,7 @@ class PassManager:
                              f"mode {ctx.mode})")
                 raise
             self.timings[p.name] = time.perf_counter() - start
+            ctx.state.check_made(p.makes, p.name)
             ctx.state.made |= p.makes
             self._check(program, p.name, ctx, number, p.reports)
         self._dump_timings(ctx)

@@ -97,3 +97,11 @@ def test_plan_facts_are_read_only_after_the_pass_that_makes_them():
     assert state.mesh is None and state.pipeline is None
     with pytest.raises(FactError, match="made twice"):
         state.settle_mesh(None, None, {}, {})
+
+
+def test_a_pass_must_make_the_facts_it_declares():
+    from autopar.passes.context import Fact, FactError
+    from autopar.passes.manager import Pass
+    lazy = Pass("lazy", lambda program, ctx: program, makes=frozenset({Fact.MESH}))
+    with pytest.raises(FactError, match="pass 'lazy' declares it makes \\['mesh'\\] but left"):
+        PassManager(passes=(lazy,)).run(_gpt_program(), PassContext(PlanInputs.of(Strategy())))
