@@ -66,10 +66,6 @@ class LocalRuntime:
     def full(self, name: str) -> torch.Tensor | None:
         return self.state.get(name)
 
-    @property
-    def holds_pieces(self) -> bool:
-        return False
-
 
 class DistributedRuntime:
     """This process of a launch of ``world`` processes (torchrun's RANK and WORLD_SIZE)."""
@@ -124,7 +120,3 @@ class DistributedRuntime:
     def full(self, name: str) -> torch.Tensor | None:
         """A state gathered whole (a collective: every process calls it, same order)."""
         return self.state.full(name)
-
-    @property
-    def holds_pieces(self) -> bool:
-        return True
