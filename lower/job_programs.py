@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..ir import Op, OpaqueType, OpKind, Program, Role, Slot, Value, verify
-from ..ir.attrs import COMM_TEXT, NAME, SLOTS, Attr
+from ..ir.attrs import COMM_TEXT, LOCAL_NOTE, NAME, SLOTS, Attr
 from ..ir.dist import micro_batch_dim
 from ..ir.ops import draws_random
 from ..pipeline.phases import Phase
@@ -107,7 +107,7 @@ class _JobBuilder:
         local_step = self._micro_batch_step(op)
         if local_step is not None:
             kind, (target, args, kwargs) = OpKind.CALL, local_step
-            attrs = {"local_note": attrs.get(COMM_TEXT, "")}
+            attrs = {LOCAL_NOTE: attrs.get(COMM_TEXT, "")}
         if kind is OpKind.COMM:
             attrs[GLOBAL_OP] = global_op    # collectives are bound from the global op's types
         new = Op(kind, target, args, dict(kwargs), [Value(v.type) for v in op.outputs],

@@ -35,6 +35,10 @@ from ..pipeline.timeline import PipelineSchedule
 STEP = -1     # the micro-batch index of a once-a-step value or job
 
 
+class PipelinePlanError(RuntimeError):
+    """A pipelined program whose jobs cannot be made (a value no job can make in time)."""
+
+
 @dataclass(frozen=True, order=True)
 class JobId:
     phase: Phase
@@ -169,10 +173,35 @@ class _Planner:
             self._jobs(plan)
         for plan in self.plans:
             self._flows(plan)
+            self._check_terms(plan)
         self._order_messages()
         keys = {name: v for v, name in self.names.items()}
         return PipelineJobs(self.layout, self.plans, self.messages, self.names, keys,
                             self.schedule)
+
+    def _check_terms(self, plan: RankJobs) -> None:
+        """Every micro-batch hands each sum or gather over micro-batches its term; a value
+        of the whole batch that no micro-batch's job makes (a batch input gathered whole
+        for an op read before the micro-batches run) is refused, naming who needs it."""
+        for a in plan.accumulations:
+            due = plan.order.index(JobId(a.before))     # the store completes it before this
+            made = {job.micro_batch for job, keys in plan.accumulated.items()
+                    if a.input_key in keys and plan.order.index(job) < due}
+            if made == set(range(self.m)):
+                continue
+            value = self.program_values()[a.output_key]
+            readers = [op for op in self.program.ops if value in op.inputs]
+            needs = ", ".join(f"{op.target.removesuffix('.default')} "
+                              f"({op.module or 'top level'})" for op in readers[:3])
+            raise PipelinePlanError(
+                f"pipeline rank {plan.rank}: {needs} reads {a.output_key}, the whole batch's "
+                f"{a.input_key} summed or gathered over micro-batches, in {a.before.value}, "
+                f"but the micro-batches make their terms only later (in time: micro-batches "
+                f"{sorted(made)} of {self.m}). An op with no SPMD rule (it runs replicated) "
+                "often forces this: give it a rule, or run without micro-batches")
+
+    def program_values(self) -> dict[str, Value]:
+        return {name: v for v, name in self.names.items()}
 
     # -- which ops each job runs ---------------------------------------------------------
     def _jobs(self, plan: RankJobs) -> None:
@@ -381,4 +410,5 @@ def check_messages(plan: PipelineJobs) -> None:
 
 
 __all__ = ["JobId", "Message", "Accumulation", "RankJobs", "PipelineJobs", "plan_pipeline",
+           "PipelinePlanError",
            "check_messages", "STEP"]

@@ -4,9 +4,10 @@ vocab) on the tp mesh dim.
 A plan style is resolved by what the captured graph does with the weight, not by its module
 class: each dim of the weight is tried as the sharded one and pushed through the weight's
 first forward use (through transposes and views, by the SPMD rules) to the op that consumes
-it. Colwise is the dim that shards that op's last output dim; rowwise and vocab the dim that
-makes it Partial. So a Conv1D that stores ``[in, out]`` gets the right dim, as does
-``nn.Linear`` with ``[out, in]``.
+it. Colwise is the dim that shards one of that op's output dims (a linear's last, a
+convolution's channels); rowwise and vocab the dim that makes it Partial. So a Conv1D that
+stores ``[in, out]`` gets the right dim, as does ``nn.Linear`` with ``[out, in]``, and a
+``Conv2d`` weight ``[out, in, kh, kw]`` dim 0 for colwise, dim 1 for rowwise.
 
 A fused colwise projection (one linear computing q, k and v, then ``split`` into equal
 pieces along the sharded dim) is found the same way: when the op's output, followed through
@@ -25,6 +26,7 @@ from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shar
 from ..ir.reason import Reason
 from ..spmd import lookup
 from ..spmd.registry import tensor_inputs
+from ..spmd.spec import UNSHARDABLE
 from .context import PassContext
 from .pinning import AnnotationError, pin
 
@@ -81,9 +83,12 @@ def _plan_dim(value: Value, style: str, axis: int, mesh: ProcessMesh,
         consumer, placed = _probe(value, dist, users)
         if consumer is None:
             break
+        if placed is None:
+            tried.append(f"its first forward use, {consumer.target} "
+                         f"({consumer.module or 'top level'}), has no SPMD rule")
+            break
         tried.append(f"dim {dim} -> {consumer.target} output {placed}")
-        out_rank = len(consumer.outputs[0].type.shape)
-        if style == "colwise" and placed == Shard(out_rank - 1):
+        if style == "colwise" and isinstance(placed, Shard):
             return dim, _fused_pieces(consumer, placed, axis, mesh, users)
         if style in ("rowwise", "vocab") and isinstance(placed, Partial):
             return dim, 1
@@ -92,7 +97,7 @@ def _plan_dim(value: Value, style: str, axis: int, mesh: ProcessMesh,
     raise AnnotationError(
         f"tensor_parallel.plan {pattern!r}: cannot apply {style} to parameter {name!r} "
         f"{list(value.type.shape)}: no dim gives a "
-        f"{'sharded last output dim' if style == 'colwise' else 'partial output'} "
+        f"{'sharded output dim' if style == 'colwise' else 'partial output'} "
         f"at its first use ({'; '.join(tried) or 'it has no forward use'})")
 
 
@@ -101,14 +106,17 @@ def _probe(value: Value, dist: DistAttr, users: dict[Value, list[Op]]
     """Where sharding ``value`` as ``dist`` lands: follow its first forward use through
     single-input ops (transposes, views, casts) to the op that combines it with something
     else, and read from that op's spec what becomes of the sharded dim (an output dim, or
-    a contracted one: Partial). Costs play no part: this asks what the graph does."""
+    a contracted one: Partial). Costs play no part: this asks what the graph does. A consumer
+    without an SPMD rule comes back with no placement."""
     axis = next(i for i, p in enumerate(dist.placements) if not p.is_replicate())
     while True:
         consumer = next((op for op in users.get(value, ()) if op.kind is OpKind.CALL
                          and op.role.value == "fwd"), None)
-        rule = lookup(consumer) if consumer is not None else None
-        if rule is None:
+        if consumer is None:
             return None, None
+        rule = lookup(consumer)
+        if rule is None:
+            return consumer, None
         ins = tensor_inputs(consumer)
         if len(ins) == 1 and len(consumer.outputs) == 1:
             value, dist = consumer.outputs[0], rule.forward(consumer, [dist], dist.mesh).outputs[0]
@@ -158,6 +166,8 @@ def _landing(op: Op, rule, index: int, dist: DistAttr, axis: int) -> Placement:
         spec = rule.spec(op)
         letter = spec.inputs[index][placement.dim]
         out = spec.outputs[0]
+        if letter == UNSHARDABLE:
+            return Replicate()
         if letter in out:
             return Shard(out.index(letter))
         return Partial(spec.reduce[0]) if spec.shardable(letter) else Replicate()

@@ -224,6 +224,29 @@ def synthetic(target: str, *args, model: str = "synthetic", **kwargs) -> OpCase:
     return OpCase(op, values, outs, rng, model)
 
 
+def _conv_cases(g: torch.Generator) -> list[OpCase]:
+    """Convolutions (plain with bias, grouped without, transposed), their backward, and
+    max pooling with its backward."""
+    x = torch.randn(2, 4, 5, 5, generator=g)
+    w, b = torch.randn(6, 4, 3, 3, generator=g), torch.randn(6, generator=g)
+    w_grouped, w_t = torch.randn(6, 2, 3, 3, generator=g), torch.randn(4, 6, 3, 3, generator=g)
+    conv = [1, 1], [1, 1], [1, 1]
+    grad = torch.randn(2, 6, 5, 5, generator=g)
+    pooled, indices = torch.ops.aten.max_pool2d_with_indices.default(x, [2, 2], [2, 2])
+    return [
+        synthetic("aten.convolution.default", x, w, b, *conv, False, [0, 0], 1),
+        synthetic("aten.convolution.default", x, w_grouped, None, *conv, False, [0, 0], 2),
+        synthetic("aten.convolution.default", x, w_t, b, *conv, True, [0, 0], 1),
+        synthetic("aten.convolution_backward.default", grad, x, w, [6], *conv, False,
+                  [0, 0], 1, [True, True, True]),
+        synthetic("aten.convolution_backward.default", grad, x, w_grouped, [6], *conv, False,
+                  [0, 0], 2, [True, True, True]),
+        synthetic("aten.max_pool2d_with_indices.default", x, [2, 2], [2, 2]),
+        synthetic("aten.max_pool2d_with_indices_backward.default", torch.randn_like(pooled),
+                  x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices),
+    ]
+
+
 def _synthetic_cases() -> list[OpCase]:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 5, 4, generator=g)
@@ -238,6 +261,18 @@ def _synthetic_cases() -> list[OpCase]:
             synthetic("aten.triu.default", torch.randn(7, 9, generator=g), 1),
             synthetic("aten.tril.default", torch.randn(2, 7, 6, generator=g), -1),
             synthetic("aten.new_zeros.default", x, [5, 7]),
+            synthetic("aten.new_ones.default", x, [3, 4]),
+            *_conv_cases(g),
+            synthetic("aten.cumsum.default", x, 1),
+            synthetic("aten.topk.default", x, 2, 1),
+            synthetic("aten.index.Tensor", x, [None, torch.tensor([[0, 3], [1, 1], [4, 2]])]),
+            synthetic("aten.index.Tensor", x, [torch.tensor([5, 0, 2]), None,
+                                               torch.tensor([1, 3, 0])]),
+            synthetic("aten.view_as_complex.default", torch.randn(6, 4, 2, generator=g)),
+            synthetic("aten.view_as_real.default", torch.randn(6, 4, dtype=torch.complex64,
+                                                               generator=g)),
+            synthetic("aten._conj.default", torch.randn(6, 4, dtype=torch.complex64,
+                                                        generator=g)),
             synthetic("aten.full.default", [6, 4], 2.5),
             synthetic("aten.native_dropout.default", torch.randn(6, 5, generator=g), 0.3, True),
             synthetic("aten.rand_like.default", x),

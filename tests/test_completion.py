@@ -228,25 +228,27 @@ def _names(program):
     return [v for op in program.ops for v in op.outputs]
 
 
-class _Cumsum(nn.Module):
+class _Cumprod(nn.Module):
+    """cumprod has no SPMD rule (cumsum has one)."""
+
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(16, 16)
 
     def forward(self, x):
-        return torch.cumsum(self.fc(x), 1)
+        return torch.cumprod(self.fc(x), 1)
 
 
 def test_an_op_without_a_rule_warns_by_name_and_runs_replicated_or_errors_when_strict():
     strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"})
-    with pytest.warns(MissingRuleWarning, match=r"cumsum.default \(top level, fwd\)"):
-        _, program = _plan(_Cumsum(), strategy)
-    op = [op for op in program.ops if "cumsum" in op.target][0]
+    with pytest.warns(MissingRuleWarning, match=r"cumprod.default \(top level, fwd\)"):
+        _, program = _plan(_Cumprod(), strategy)
+    op = [op for op in program.ops if "cumprod" in op.target][0]
     assert op.needs[0].placements == (Replicate(),) and op.result.dist.placements == (Replicate(),)
     strict = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"},
                          debug={"strict_rules": True})
-    with pytest.raises(MissingRuleError, match="cumsum"):
-        _plan(_Cumsum(), strict)
+    with pytest.raises(MissingRuleError, match="cumprod"):
+        _plan(_Cumprod(), strict)
 
 
 def test_plan_errors_name_the_entry_and_the_modules():

@@ -345,3 +345,28 @@ def test_a_tied_weight_s_gradient_crosses_stages_once_per_step():
     joined = [op for op in program.ops if op.target == "aten.add.Tensor"
               and op.role is Role.OPTIMIZER]
     assert len(joined) == 1 and {s for s, _ in homes_of(joined[0])} == {0, 1}
+
+
+class _WholeBatchFirst(nn.Module):
+    """Reads the whole batch through an op with no SPMD rule (cumprod) before its layers:
+    that value exists only once every micro-batch's piece is in, before any runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x):
+        scale = torch.cumprod(x, 0)[-1]
+        return self.layers[1](self.layers[0](x) * scale)
+
+
+def test_a_whole_batch_value_needed_before_the_micro_batches_is_refused_naming_its_reader():
+    from autopar.lower.pipeline_jobs import PipelinePlanError
+    model = _WholeBatchFirst()
+    engine = ap.Engine(model, lambda out, y: (out - y).pow(2).mean(),
+                       torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=pipeline(2, micro_batches=2, split="[layers.1]"))
+    with pytest.warns(UserWarning, match="cumprod"), \
+            pytest.raises(PipelinePlanError, match=r"cumprod \(top level\) reads .* whole "
+                                                   r"batch.*micro-batches \[\] of 2"):
+        engine.prepare(torch.randn(4, 8), torch.randn(4, 8))

@@ -17,9 +17,13 @@ def annotate(x: torch.Tensor) -> torch.Tensor:
 
 # -- empty pieces (uneven shards leave trailing ranks empty) ------------------------------
 @kernel("autopar.empty_outputs")
-def empty_outputs(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]):
-    """The op's outputs when every one of them is empty on this rank."""
-    return tuple(torch.empty(tuple(s), dtype=d) for s, d in zip(shapes, dtypes))
+def empty_outputs(shapes: Sequence[Sequence[int] | None], dtypes: Sequence[torch.dtype | None],
+                  single: bool = False):
+    """The op's outputs when every one of them is empty on this rank (None where the op
+    returns no tensor; ``single``: the op returns one tensor, not a sequence)."""
+    outs = tuple(None if s is None else torch.empty(tuple(s), dtype=d)
+                 for s, d in zip(shapes, dtypes))
+    return outs[0] if single else outs
 
 
 # -- vocab-parallel embedding: a rank holds rows [offset, offset + rows) of the table -------

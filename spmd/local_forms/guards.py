@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from ...ir.attrs import MULTI
 from ...ir.core import Op
 from ...ir.ops import draws_random
 from .context import LocalCall, LocalContext, UnsupportedLocalForm
@@ -11,10 +12,15 @@ from .registry import register_local_form
 # ----------------------------------------------------------------------------------------
 # kernels that crash on empty pieces (uneven shards leave trailing ranks empty)
 # ----------------------------------------------------------------------------------------
-# The CPU flash-attention kernels divide by the head count: an empty piece kills the process.
+# Kernels that refuse (or crash on) an empty piece: the CPU flash-attention kernels divide
+# by the head count; convolution and pooling kernels check their input is non-empty.
 _EMPTY_UNSAFE = (
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    "aten.convolution.default",
+    "aten.convolution_backward.default",
+    "aten.max_pool2d_with_indices.default",
+    "aten.max_pool2d_with_indices_backward.default",
 )
 
 
@@ -23,9 +29,11 @@ def _empty_guard(op: Op, ctx: LocalContext) -> LocalCall | None:
     if draws_random(op) and any(ctx.out_sharded(i) for i in range(len(op.outputs))):
         raise UnsupportedLocalForm(f"{op.target} with dropout and sharded outputs: its "
                                    "dropout mask cannot be sliced from a global one")
-    shapes = [ctx.out_shape(op, i) for i in range(len(op.outputs))]
-    if not all(math.prod(s) == 0 for s in shapes):
+    shapes = [ctx.out_shape(op, i) if v.is_tensor else None for i, v in enumerate(op.outputs)]
+    if not all(math.prod(s) == 0 for s in shapes if s is not None):
         return None
-    return LocalCall("autopar.empty_outputs", ([list(s) for s in shapes],
-                                               [v.type.dtype for v in op.outputs]), {},
+    single = len(op.outputs) == 1 and MULTI not in op.attrs    # the kernel returns a tensor
+    return LocalCall("autopar.empty_outputs",
+                     ([None if s is None else list(s) for s in shapes],
+                      [v.type.dtype if v.is_tensor else None for v in op.outputs], single), {},
                      "every output is empty on this rank")

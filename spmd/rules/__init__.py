@@ -2,6 +2,7 @@
 from . import (  # noqa: F401
     annotate,
     attention,
+    conv,
     embedding,
     factory,
     loss,

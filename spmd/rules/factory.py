@@ -50,3 +50,24 @@ register("aten.empty_like.default", "aten.ones_like.default", "aten.zeros_like.d
 @register("aten.lift_fresh_copy.default")
 def lift_fresh_copy(op: Op) -> Spec:
     return elementwise(op, linear="sum")        # a copy of a traced constant
+
+
+class FromScratch:
+    """``new_zeros`` / ``new_ones`` / ``new_empty`` / ``new_full``: a fresh tensor of a given
+    size; ``self`` gives only its dtype and device. The input is taken as it is placed (its
+    values are never read) and the output is born replicated, like a factory's."""
+
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
+                available=None) -> Decision:
+        need = in_dists[0] or DistAttr.replicated(mesh)
+        choices = tuple(MeshDimChoice(m, Option("fresh", "from scratch"), 0.0, ())
+                        for m in range(mesh.ndim))
+        return Decision((need,), (DistAttr.replicated(mesh),), choices)
+
+    def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
+                ) -> tuple[DistAttr, ...]:
+        return (DistAttr.replicated(mesh),)
+
+
+register("aten.new_zeros.default", "aten.new_ones.default", "aten.new_empty.default",
+         "aten.new_full.default")(FromScratch())

@@ -25,7 +25,50 @@ for _target, _text in _PRODUCTS.items():
     register(_target)(lambda op, spec=Spec.parse(_text, linear="each"): spec)
 
 
-class AffineProduct:
+class BiasedProduct:
+    """A product plus a broadcast bias (``addmm``, a convolution with bias). Where the product
+    comes out Partial (a sharded contracted dim), the bias must join as a Partial term too:
+    one rank adds it (a make-partial step), or the sum would count it once per rank."""
+
+    def spec(self, op: Op) -> Spec:
+        raise NotImplementedError
+
+    def bias_index(self, op: Op) -> int | None:
+        """The bias's position among the tensor inputs (None: no bias)."""
+        raise NotImplementedError
+
+    def _types(self, op: Op):
+        return [v.type for v in tensor_inputs(op)], output_types(op)
+
+    def _bias_partial(self, op: Op, decision: Decision, mesh: ProcessMesh) -> Decision:
+        i = self.bias_index(op)
+        if i is None:
+            return decision
+        out, bias = decision.outputs[0], decision.needs[i]
+        placements = tuple(o if isinstance(o, Partial) else p
+                           for o, p in zip(out.placements, bias.placements))
+        needs = list(decision.needs)
+        needs[i] = DistAttr(mesh, placements)
+        return Decision(tuple(needs), decision.outputs, decision.choices)
+
+    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
+                available=None) -> Decision:
+        ins, outs = self._types(op)
+        decision = infer_forward(self.spec(op), mesh, ins, outs, in_dists, describe(op),
+                                 available)
+        return self._bias_partial(op, decision, mesh)
+
+    def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
+                ) -> tuple[DistAttr, ...]:
+        ins, outs = self._types(op)
+        needs = infer_reverse(self.spec(op), mesh, ins, outs, out_hints, describe(op))
+        # Replaying the operands' needs forward tells which mesh dims come out Partial.
+        decision = infer_forward(self.spec(op), mesh, ins, outs, needs, describe(op),
+                                 owe=False)
+        return self._bias_partial(op, decision, mesh).needs
+
+
+class AffineProduct(BiasedProduct):
     """``bias + a@b`` for a product spec like ``"mk,kn->mn"``; the bias broadcasts."""
 
     def __init__(self, product: str):
@@ -39,31 +82,8 @@ class AffineProduct:
         ins = input_letters(op, {"self": bias, "mat1": a, "mat2": b, "batch1": a, "batch2": b})
         return Spec(ins, (out,), linear="each", linear_inputs={1, 2})
 
-    def _types(self, op: Op):
-        return [v.type for v in tensor_inputs(op)], output_types(op)
-
-    def _bias_partial(self, decision: Decision, mesh: ProcessMesh) -> Decision:
-        out, bias = decision.outputs[0], decision.needs[0]
-        placements = tuple(o if isinstance(o, Partial) else p
-                           for o, p in zip(out.placements, bias.placements))
-        return Decision((DistAttr(mesh, placements), *decision.needs[1:]), decision.outputs,
-                        decision.choices)
-
-    def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
-                available=None) -> Decision:
-        ins, outs = self._types(op)
-        decision = infer_forward(self.spec(op), mesh, ins, outs, in_dists, describe(op),
-                                 available)
-        return self._bias_partial(decision, mesh)
-
-    def reverse(self, op: Op, out_hints: Sequence[DistAttr | None], mesh: ProcessMesh
-                ) -> tuple[DistAttr, ...]:
-        ins, outs = self._types(op)
-        needs = infer_reverse(self.spec(op), mesh, ins, outs, out_hints, describe(op))
-        # Replaying the operands' needs forward tells which mesh dims come out Partial.
-        decision = infer_forward(self.spec(op), mesh, ins, outs, needs, describe(op),
-                                 owe=False)
-        return self._bias_partial(decision, mesh).needs
+    def bias_index(self, op: Op) -> int | None:
+        return 0
 
 
 register("aten.addmm.default")(AffineProduct("mk,kn->mn"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...ir.core import Op
 from ..registry import register
 from ..spec import UNSHARDABLE, Spec, letters
-from .common import input_letters, schema_args
+from .common import broadcast_letters, input_letters, same_dtype, schema_args
 
 
 @register("aten.tril.default", "aten.triu.default")
@@ -61,3 +61,60 @@ def gather(op: Op) -> Spec:
             whole.add(abc[d])
     ins = input_letters(op, {"self": abc, "index": index})
     return Spec(ins, (index,), replicated=whole, linear="each", linear_inputs={0})
+
+
+def _along(op: Op) -> tuple[str, int]:
+    """The letters of ``self`` and the dim the op reads along."""
+    a = schema_args(op)
+    rank = len(a["self"].type.shape)
+    return letters(rank), (a["dim"] % rank if rank else 0)
+
+
+@register("aten.cumsum.default")
+def cumsum(op: Op) -> Spec:
+    # each output element sums a prefix of the dim: the dim is read whole; linear
+    abc, dim = _along(op)
+    return Spec((abc,), (abc,), replicated={abc[dim]} if abc else set(),
+                linear="sum" if same_dtype(op) else "none")
+
+
+@register("aten.topk.default")
+def topk(op: Op) -> Spec:
+    # the k largest along the dim: the dim is read whole, the output's k-long dim is new
+    abc, dim = _along(op)
+    out = abc[:dim] + UNSHARDABLE + abc[dim + 1:] if abc else ""
+    return Spec((abc,), (out, out), replicated={abc[dim]} if abc else set())
+
+
+@register("aten.index.Tensor")
+def index(op: Op) -> Spec:
+    """``self[i0, i1, ...]`` with index tensors (None: a whole dim): the indexed dims are read
+    whole, the index tensors broadcast to the result's index dims (which may shard), the
+    other dims pass through. Index dims replace the indexed ones in place when those are
+    adjacent, else lead the result (NumPy's rule)."""
+    a = schema_args(op)
+    shape = a["self"].type.shape
+    abc = letters(len(shape))
+    indices = list(a["indices"])
+    indexed = [d for d, ix in enumerate(indices) if ix is not None]
+    width = max(len(indices[d].type.shape) for d in indexed)
+    idx = letters(width, start=len(shape))
+    broadcast_shape = _broadcast([indices[d].type.shape for d in indexed])
+    index_letters = {d: broadcast_letters(indices[d].type.shape, idx, broadcast_shape)
+                     for d in indexed}
+    rest = abc[len(indices):]
+    kept = [abc[d] for d in range(len(indices)) if d not in indexed]
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    if adjacent:
+        out = abc[:indexed[0]] + idx + abc[indexed[-1] + 1:len(indices)] + rest
+    else:
+        out = idx + "".join(kept) + rest
+    ins = [abc] + [index_letters[d] for d in indexed]
+    return Spec(tuple(ins), (out,), replicated={abc[d] for d in indexed}, linear="each",
+                linear_inputs={0})
+
+
+def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    width = max(len(s) for s in shapes)
+    padded = [(1,) * (width - len(s)) + tuple(s) for s in shapes]
+    return tuple(max(dims) for dims in zip(*padded))

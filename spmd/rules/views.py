@@ -404,3 +404,34 @@ class GroupedView:
 
 register("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
          "aten._reshape_alias.default")(GroupedView())
+
+
+# Complex values have no max or min: only sums and means pass through these moves.
+_COMPLEX_PARTIALS = frozenset({"sum", "avg"})
+
+
+def _complex_move(inputs: Sequence[str], outputs: Sequence[str],
+                  replicated: Sequence[str] = ()) -> Spec:
+    return replace(_move(inputs, outputs, replicated), partial_ops=_COMPLEX_PARTIALS)
+
+
+@register("aten.view_as_complex.default")
+def view_as_complex(op: Op) -> Spec:
+    # [..., 2] real pairs -> [...] complex: the pair dim is read whole
+    a = letters(len(_shape(op)))
+    return _complex_move([a], [a[:-1]], [a[-1]])
+
+
+@register("aten.view_as_real.default")
+def view_as_real(op: Op) -> Spec:
+    # [...] complex -> [..., 2]: a new (real, imaginary) dim of its own
+    a = letters(len(_shape(op)))
+    return _complex_move([a], [a + UNSHARDABLE])
+
+
+@register("aten._conj.default", "aten.conj_physical.default")
+def conj(op: Op) -> Spec:
+    # ``_conj`` returns a lazily conjugated view (the conj bit): partial terms are summed
+    # first rather than trusted to carry the bit through the reduction
+    a = letters(len(_shape(op)))
+    return replace(_complex_move([a], [a]), linear="none")
