@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> None:
                                      "its own arguments go after '--'")
     plan.add_argument("--strategy", help="a strategy YAML that replaces the script's own")
     plan.add_argument("--dump-dir", default="dumps/plan")
+    plan.add_argument("--locate-divergence", action="store_true",
+                      help="run the first training step on the simulator next to one device "
+                           "and report the first op that differs")
     plan.add_argument("--explain", action="append", default=[], metavar="VALUE",
                       help="why VALUE has its placement: %%12, loss, grad[fc1.weight], "
                            "fc1.weight (repeatable)")
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "plan":
         from .engine.offline import plan_script
         print(plan_script(args.script, script_args, args.strategy, args.dump_dir,
-                          args.explain))
+                          args.explain, args.locate_divergence))
 
 
 def run_demo(args: argparse.Namespace, argv: list[str]) -> None:

@@ -18,9 +18,11 @@ from torch.utils import _pytree as pytree
 
 from ..ir import Program, Slot
 from ..ir.capture import StepSpec, flatten_batch
+from ..lower.lowering import lower_program
 from ..passes.explain import explain_value, summarize
 from ..passes.parallel_layout import ParallelLayout
 from ..pipeline.timeline import chrome_trace
+from ..runtime.divergence import Divergence, locate_divergence
 from ..runtime.runtimes import DistributedRuntime, LocalRuntime
 from ..strategy import Strategy
 from .data import batch_size_of, batches
@@ -35,6 +37,11 @@ from .planner import PlannedStep, Planner
 PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel", "pipeline"}
 
 Metric = Callable[[Any, Any], float]
+
+
+class DivergenceError(RuntimeError):
+    """``debug.locate_divergence``: a plan's step differs from one device's (the report
+    names the first op that does)."""
 
 
 class Engine:
@@ -95,6 +102,22 @@ class Engine:
             raise ValueError(f"summary: nothing planned for mode {mode!r} yet")
         return summarize(step.program, step.facts.mesh, step.lowered.jobs)
 
+    def locate_divergence(self, inputs: Any, labels: Any = None, seed: int | None = None,
+                          rtol: float = 1e-4, atol: float = 1e-5) -> Divergence | None:
+        """Run one training step of the plan for this batch on the simulator, op by op next
+        to the same step on one device, and return the first op whose assembled result
+        differs (None: none does). Changes no state; reads the model's current values."""
+        step = self.planner.plan("train", inputs, labels)
+        facts = step.facts
+        lowered = lower_program(step.program, facts.mesh, None, None)
+        state = dict(self.state.tensors)
+        for name, piece in next(iter(lowered.processes.values())).state.items():
+            if name not in state and piece.const is None:
+                state[name] = self.state.initial(name)
+        return locate_divergence(lowered, self._feeds(inputs, labels, "train"), state,
+                                 seed=self.strategy.seed if seed is None else seed,
+                                 rtol=rtol, atol=atol)
+
     @property
     def distributed(self) -> bool:
         """Whether this engine runs its plans on several real processes (a launcher
@@ -105,7 +128,7 @@ class Engine:
         """The planned step with its executor (made on first use)."""
         step = self.planner.plan(mode, inputs, labels)
         if self.launch.offline is not None:      # ``python -m autopar plan`` ran the script
-            finish_offline_plan(self, step.mode, self.launch.offline)
+            finish_offline_plan(self, step.mode, self.launch.offline, inputs, labels)
         if step.executor is None:
             step.executor = self.runtime.executor(step.lowered, self.state.initial)
             if step.lowered.pipeline is not None and self.strategy.debug.trace:
@@ -122,8 +145,13 @@ class Engine:
     # -- one step -----------------------------------------------------------------------
     def train_step(self, inputs: Any, labels: Any = None) -> float:
         step = self._ready("train", inputs, labels)
-        results = step.executor.run(self._feeds(inputs, labels, "train"),
-                                    seed=self.strategy.seed + self.global_step)
+        seed = self.strategy.seed + self.global_step
+        if self.strategy.debug.locate_divergence and not step.checked:
+            step.checked = True
+            found = self.locate_divergence(inputs, labels, seed=seed)
+            if found is not None:
+                raise DivergenceError(str(found))
+        results = step.executor.run(self._feeds(inputs, labels, "train"), seed=seed)
         self.global_step += 1
         self.optimizer._opt_called = True   # tells LR schedulers the optimizer stepped
         if self.lr_scheduler is not None:

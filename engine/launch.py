@@ -15,11 +15,12 @@ from typing import Mapping
 from ..strategy import DUMP_DIR_ENV, Strategy
 
 __all__ = ["Launch", "OfflinePlanning", "PLAN_REPORT_ENV", "PLAN_STRATEGY_ENV",
-           "PLAN_EXPLAIN_ENV"]
+           "PLAN_EXPLAIN_ENV", "PLAN_LOCATE_ENV"]
 
 PLAN_REPORT_ENV = "AUTOPAR_PLAN_REPORT"      # plan offline; write the report to this file
 PLAN_STRATEGY_ENV = "AUTOPAR_PLAN_STRATEGY"  # a strategy YAML that replaces the script's own
 PLAN_EXPLAIN_ENV = "AUTOPAR_PLAN_EXPLAIN"    # JSON list of values to explain in the report
+PLAN_LOCATE_ENV = "AUTOPAR_PLAN_LOCATE"      # "1": also locate the first divergence
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class OfflinePlanning:
     report: str
     strategy: str | None = None
     explain: tuple[str, ...] = ()
+    locate_divergence: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class Launch:
         if environ.get(PLAN_REPORT_ENV):
             offline = OfflinePlanning(environ[PLAN_REPORT_ENV],
                                       environ.get(PLAN_STRATEGY_ENV) or None,
-                                      tuple(json.loads(environ.get(PLAN_EXPLAIN_ENV) or "[]")))
+                                      tuple(json.loads(environ.get(PLAN_EXPLAIN_ENV) or "[]")),
+                                      environ.get(PLAN_LOCATE_ENV) == "1")
         return cls(int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1")),
                    environ.get(DUMP_DIR_ENV) or None, offline)
 

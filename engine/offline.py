@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..strategy import DUMP_DIR_ENV
-from .launch import PLAN_EXPLAIN_ENV, PLAN_REPORT_ENV, PLAN_STRATEGY_ENV, OfflinePlanning
+from .launch import (
+    PLAN_EXPLAIN_ENV,
+    PLAN_LOCATE_ENV,
+    PLAN_REPORT_ENV,
+    PLAN_STRATEGY_ENV,
+    OfflinePlanning,
+)
 
 __all__ = ["plan_script", "finish_offline_plan"]
 
@@ -31,7 +37,7 @@ _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MA
 
 
 def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
-                dump_dir: str, explain: list[str]) -> str:
+                dump_dir: str, explain: list[str], locate_divergence: bool = False) -> str:
     """Run ``script`` until its first step is planned; return the report of the plan."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "plan.txt"
@@ -40,6 +46,8 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
                     PLAN_EXPLAIN_ENV: json.dumps(list(explain))})
         if strategy_yaml:
             env[PLAN_STRATEGY_ENV] = str(Path(strategy_yaml).resolve())
+        if locate_divergence:
+            env[PLAN_LOCATE_ENV] = "1"
         done = subprocess.run([sys.executable, script, *script_args], env=env)
         if report.exists():
             return report.read_text()
@@ -50,12 +58,18 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
                          "prediction step, so nothing was planned")
 
 
-def finish_offline_plan(engine, mode: str, offline: OfflinePlanning) -> NoReturn:
+def finish_offline_plan(engine, mode: str, offline: OfflinePlanning, inputs,
+                        labels) -> NoReturn:
     """In the script's process: its first step is planned for every rank; write the report
-    (the plan at a glance, where the dumps are, the explanations asked for) and end the
-    process, which ran only to be planned."""
+    (the plan at a glance, where the dumps are, the explanations asked for, and the first
+    divergence from one device when asked) and end the process, which ran only to be
+    planned."""
     lines = [engine.summary(mode),
              f"dumps: {engine.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
     lines += [f"\nexplain {what}:\n{engine.explain(what, mode)}" for what in offline.explain]
+    if offline.locate_divergence and mode == "train":
+        found = engine.locate_divergence(inputs, labels)
+        lines.append("\n" + (str(found) if found is not None else
+                             "no divergence: every op of the first step matches one device"))
     Path(offline.report).write_text("\n".join(lines) + "\n")
     raise SystemExit(0)

@@ -41,6 +41,7 @@ class PlannedStep:
     pass_timings: dict[str, float]
     lowered: Lowered
     executor: Any = None
+    checked: bool = False          # its first step was checked by locate_divergence
     mode: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -10,20 +10,20 @@ chained like) a single-device step.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..ir.attrs import MULTI, NAME
-from ..ir.core import OpKind, Slot, Value
+from ..ir.core import Op, OpKind, Slot, Value
 from ..ir.dist import assemble, shard_tensor_local
 from ..ir.ops import draws_random, resolve
 from ..lower.executable import BucketStart, BucketWait, Comm, Lowered, RankProgram
 from ..reshard.simulate import apply_step
 from .rng import forked_generator
 
-__all__ = ["simulate_step", "SimulatedExecutor", "call_op", "communicate"]
+__all__ = ["simulate_step", "SimulatedExecutor", "call_op", "communicate", "initial_value"]
 
 Coordinate = tuple[int, ...]
 
@@ -68,7 +68,7 @@ def _piece(full: Any, value: Value, coordinate: Coordinate) -> Any:
     return shard_tensor_local(full, value.dist.mesh, value.dist.placements, coordinate)
 
 
-def _initial(op, feeds: dict[str, Any], state: dict[str, Any], rank: RankProgram) -> Any:
+def initial_value(op, feeds: dict[str, Any], state: dict[str, Any], rank: RankProgram) -> Any:
     name = op.attrs[NAME]
     if op.kind is OpKind.INPUT:
         if name not in feeds:
@@ -82,14 +82,20 @@ def _initial(op, feeds: dict[str, Any], state: dict[str, Any], rank: RankProgram
     raise KeyError(f"simulate_step: no initial value for program state {name!r}")
 
 
-def simulate_step(lowered: Lowered, feeds: dict[str, Any], state: dict[str, torch.Tensor]
+# after each op: (its index, the global op, every rank's local op, every rank's values,
+# the generator state it drew from or None); the divergence locator compares there
+Observer = Callable[[int, Op, dict, dict, Any], None]
+
+
+def simulate_step(lowered: Lowered, feeds: dict[str, Any], state: dict[str, torch.Tensor],
+                  observe: Observer | None = None
                   ) -> tuple[dict[Slot, Any], dict[str, torch.Tensor]]:
     """Run one step of a lowered plan (every process lowered) on all ranks of its mesh.
 
     ``feeds`` are the full ``batch/<i>`` tensors and ``param_groups/<i>`` dicts, ``state``
     the full state tensors by name (never mutated). Returns the full results by slot
     (update slots included) and the full new state: ``state`` with every updated entry
-    replaced by its assembled new value.
+    replaced by its assembled new value. ``observe`` is called after every op.
     """
     mesh = lowered.mesh if lowered.mesh is not None and lowered.mesh.size > 1 else None
     ranks = {r.coordinate: r for r in lowered.processes.values()}
@@ -106,8 +112,9 @@ def simulate_step(lowered: Lowered, feeds: dict[str, Any], state: dict[str, torc
             ops = {c: programs[c].ops[i] for c in coords}
             if global_op.kind is OpKind.OUTPUT:
                 break
+            rng = None
             if global_op.kind in (OpKind.INPUT, OpKind.STATE):
-                full = _initial(global_op, feeds, state, first_rank)
+                full = initial_value(global_op, feeds, state, first_rank)
                 if mesh is None and isinstance(full, torch.Tensor) \
                         and global_op.kind is OpKind.STATE:
                     full = full.clone()   # kernels update state in place: keep the caller's
@@ -126,6 +133,8 @@ def simulate_step(lowered: Lowered, feeds: dict[str, Any], state: dict[str, torc
                         torch.default_generator.set_state(rng)
                     for v, x in zip(op.outputs, call_op(op, envs[c])):
                         envs[c][v] = x
+            if observe is not None:
+                observe(i, global_op, ops, envs, rng)
     results: dict[Slot, Any] = {}
     for k, layout in enumerate(lowered.results):
         per_rank = {c: envs[c][programs[c].output_op.args[k]] for c in coords}

@@ -272,6 +272,8 @@ class DebugConfig(Section):
     ``strict_rules`` makes an op without an SPMD rule an error instead of a replicate fallback.
     ``simulate`` runs every rank of a distributed plan in this one process, with exact
     collective semantics (slow; for tests and for debugging plans without a launcher).
+    ``locate_divergence`` checks each new training plan's first step on the simulator, op by
+    op, against the same step on one device, and stops at the first op that differs.
     ``trace`` writes a pipeline's jobs, each rank on a timeline, as a Chrome/Perfetto trace
     (``<dump_dir>/pipeline_trace.json``: measured wall times of every step of ``fit`` on
     real processes, the schedule's simulated timeline when simulating).
@@ -284,6 +286,7 @@ class DebugConfig(Section):
     strict_rules: StrictBool = False
     simulate: StrictBool = False
     trace: StrictBool = False
+    locate_divergence: StrictBool = False
 
     @property
     def is_enabled(self) -> bool:

@@ -1,0 +1,69 @@
+"""The divergence locator: a plan's step on the simulator, op by op, next to one device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar as ap
+from autopar.engine.engine import DivergenceError
+from autopar.spmd.local_forms import LOCAL_FORMS, LocalCall
+
+from .models_zoo import MegatronMLP, mse
+
+DP_TP = ("mesh: {shape: [2, 2], dim_names: [dp, tp]}\ndata_parallel: {axis: dp}\n"
+         "tensor_parallel: {axis: tp, plan: {fc1: colwise, fc2: rowwise}}\n")
+
+
+def _engine(extra: str = "") -> ap.Engine:
+    torch.manual_seed(0)
+    model = MegatronMLP()
+    strategy = ap.Strategy.from_yaml_str(DP_TP + "debug: {simulate: true" + extra + "}\n")
+    return ap.Engine(model, mse, torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+
+
+@pytest.fixture
+def wrong_mean(monkeypatch):
+    """A planted bug: mse_loss's local form divides each rank's sum by its own count, not
+    the global one (each term is then twice too big)."""
+    def form(op, ctx):
+        if not any(p.is_shard() for p in ctx.needs[0].placements):
+            return None
+        local = op.args[0].type.numel // 2
+        return LocalCall("autopar.global_mean",
+                         ("aten.mse_loss.default", local // 2, op.args[0], op.args[1], 2), {},
+                         "planted: a local count")
+    monkeypatch.setitem(LOCAL_FORMS, "aten.mse_loss.default", form)
+
+
+def test_a_correct_plan_has_no_divergence():
+    assert _engine().locate_divergence(*_batch()) is None
+
+
+def test_a_planted_bug_is_located_at_its_op(wrong_mean):
+    found = _engine().locate_divergence(*_batch())
+    assert found is not None
+    assert (found.target, found.role) == ("aten.mse_loss", "loss")
+    assert found.op.startswith("%")                     # the op as the dump names it
+    assert found.inputs[0].endswith("{S(0),R}") and found.outputs[0].endswith("{P(sum),R}")
+    assert any("all_reduce(sum) over tp" in text for text in found.fed_by)
+    assert found.max_rel == pytest.approx(3.0)          # each term 4x: a quarter's count
+    assert str(found).startswith(f"first divergence from one device: {found.op} = "
+                                 "aten.mse_loss (<loss>, loss)")
+
+
+def test_the_debug_flag_checks_a_plan_s_first_step_before_it_runs(wrong_mean):
+    x, y = _batch()
+    with pytest.raises(DivergenceError, match="first divergence.*aten.mse_loss"):
+        _engine(", locate_divergence: true").fit(list(zip(x, y)), batch_size=4, verbose=0)
+
+
+def test_the_debug_flag_lets_a_correct_plan_train():
+    x, y = _batch()
+    losses = _engine(", locate_divergence: true").fit(list(zip(x, y)), batch_size=4,
+                                                     verbose=0)["loss"]
+    assert len(losses) == 1
