@@ -99,6 +99,7 @@ def main(steps: int = 300, batch_size: int = 16, dump_dir: str = "dumps/demo",
     say(f"pass dumps (one file per pass, per rank): {Path(dump_dir).resolve()}/rank<r>/ "
         "(NN_reshard.txt: the collectives and why; NN_partition.txt, or a pipeline's "
         "NN_jobs.txt: the rank's program)")
+    engine.close()      # releases the process groups: nothing left pending at exit
     return {"history": history, "valid": scores}
 
 

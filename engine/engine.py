@@ -77,6 +77,7 @@ class Engine:
                                every=simulate or offline is not None)
         self.global_step = 0
         self.history: dict[str, list[float]] = {}
+        self.closed = False
 
     # -- planning -----------------------------------------------------------------------
     def prepare(self, inputs: Any, labels: Any = None, mode: str = "train") -> Program:
@@ -126,6 +127,9 @@ class Engine:
 
     def _ready(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
         """The planned step with its executor (made on first use)."""
+        if self.closed and self.distributed:
+            raise RuntimeError("this engine was closed: its process groups are gone; make a "
+                               "new Engine to train again")
         step = self.planner.plan(mode, inputs, labels)
         if self.launch.offline is not None:      # ``python -m autopar plan`` ran the script
             finish_offline_plan(self, step.mode, self.launch.offline, inputs, labels)
@@ -253,6 +257,21 @@ class Engine:
         (on real processes the pieces are gathered: a collective; ``fit`` calls it at its
         end)."""
         self.state.write_back(self.runtime.names(), self.runtime.full)
+
+    def close(self) -> None:
+        """Release what the engine holds on real processes (its process groups; the
+        default one too when the engine created it), so no collective or message is left
+        pending at exit. Call it after the last step (or use ``with Engine(...) as e``);
+        an atexit hook does it for a script that does not. A closed engine runs no more
+        steps on real processes."""
+        self.runtime.close()
+        self.closed = True
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- pipelines ----------------------------------------------------------------------
     def _last_pipeline(self, mode: str) -> PlannedStep | None:

@@ -26,13 +26,13 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=args.layers, n_head=4, n_embd=64)
     model = GPT(cfg)
     strategy = ap.Strategy.from_yaml(args.strategy) if args.strategy else ap.Strategy()
-    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                       strategy=strategy)
     ids = torch.randint(0, cfg.vocab_size, (64, cfg.block_size + 1))
     data = [(row[:-1], row[1:]) for row in ids]
-    history = engine.fit(data, batch_size=8, steps_per_epoch=args.steps, verbose=1)
-    if engine.is_logging_rank:
-        print(f"final loss {history['loss'][-1]:.4f}")
+    with ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                   strategy=strategy) as engine:      # leaving it releases the process groups
+        history = engine.fit(data, batch_size=8, steps_per_epoch=args.steps, verbose=1)
+        if engine.is_logging_rank:
+            print(f"final loss {history['loss'][-1]:.4f}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ holds.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from ..ir.dist import ProcessMesh
 
 __all__ = ["MeshAxisGroup", "MeshGroups", "check_launch", "init_distributed", "backend_for",
-           "p2p_group"]
+           "p2p_group", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -91,14 +92,37 @@ def p2p_group(mesh: ProcessMesh) -> Any:
     from the groups collectives use (made once, by every rank alike)."""
     if mesh not in _P2P:
         mesh_groups(mesh)
-        _P2P[mesh] = dist.new_group(sorted(mesh.process_ids))
+        _P2P[mesh] = dist.new_group(sorted(mesh.process_ids))    # destroyed by shutdown()
     return _P2P[mesh]
 
 
 def _new_group(ranks: list[int], world: int) -> Any:
     if len(ranks) == world and sorted(ranks) == list(range(world)):
         return dist.group.WORLD
-    return dist.new_group(ranks)
+    group = dist.new_group(ranks)
+    _MADE.append(group)
+    return group
+
+
+# the groups made here, and whether the default group is ours (init_distributed made it)
+_MADE: list[Any] = []
+_OWN_DEFAULT: list[bool] = [False]
+
+
+def shutdown() -> None:
+    """Destroy the process groups autopar made, the default one too when autopar created it
+    (not one the user's own code did): no c10d work is left for the interpreter's exit.
+    Local, not a collective; safe to call twice."""
+    if dist.is_initialized():
+        for group in [*_MADE, *_P2P.values()]:
+            if group is not None and group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+        if _OWN_DEFAULT[0]:
+            dist.destroy_process_group()
+    _MADE.clear()
+    _P2P.clear()
+    _CACHE.clear()
+    _OWN_DEFAULT[0] = False
 
 
 def backend_for(device: torch.device) -> str:
@@ -128,6 +152,8 @@ def init_distributed(device: torch.device, expected_world_size: int,
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend_for(device))
+        _OWN_DEFAULT[0] = True
+        atexit.register(shutdown)      # a script that never calls Engine.close()
     if dist.get_world_size() != expected_world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks, the strategy's "
                          f"mesh {expected_world_size}")

@@ -23,7 +23,7 @@ from ..lower.executable import Lowered, PipelineProcess, RankProgram
 from .executor import Executor, ProgramExecutor
 from .pipeline_process import PipelineExecutor, logical_groups
 from .pipeline_simulator import PipelineSimulator
-from .process_groups import check_launch, init_distributed, mesh_groups, p2p_group
+from .process_groups import check_launch, init_distributed, mesh_groups, p2p_group, shutdown
 from .simulator import SimulatedExecutor
 from .state import PipelineAxis, RankState
 
@@ -62,6 +62,9 @@ class LocalRuntime:
 
     def names(self) -> list[str]:
         return sorted(self.state)
+
+    def close(self) -> None:
+        """Nothing to release: no process groups."""
 
     def full(self, name: str) -> torch.Tensor | None:
         return self.state.get(name)
@@ -120,3 +123,9 @@ class DistributedRuntime:
     def full(self, name: str) -> torch.Tensor | None:
         """A state gathered whole (a collective: every process calls it, same order)."""
         return self.state.full(name)
+
+    def close(self) -> None:
+        """Release the process groups (every step has finished its collectives and
+        messages); the state pieces stay readable on this process."""
+        shutdown()
+        self._mesh = None

@@ -38,6 +38,19 @@ def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0
             "optim": engine.optimizer.state_dict()["state"], "predict": predicted}
 
 
+def train_and_close(config: str) -> dict:
+    """Train inside ``with Engine(...)``: leaving it releases the process groups."""
+    from autopar.models.gpt import lm_loss
+    model = parity_gpt("sgd")
+    optimizer, scheduler = gpt_optimizer("sgd", model)
+    strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml")
+    with ap.Engine(model, lm_loss, optimizer, strategy=strategy,
+                   lr_scheduler=scheduler) as engine:
+        losses = engine.fit(lm_data(8, 16, 64), batch_size=4, verbose=0)["loss"]
+        state = engine.state_dict()
+    return {"loss": losses, "state": state, "initialized": torch.distributed.is_initialized()}
+
+
 def collectives() -> dict:
     """Every reshard step as a real collective against the reference semantics, on every
     mesh this world size allows (row-major and shuffled ids), even and uneven."""
@@ -45,7 +58,8 @@ def collectives() -> dict:
     return check_all()
 
 
-SCENARIOS = {"train_gpt": train_gpt, "collectives": collectives}
+SCENARIOS = {"train_gpt": train_gpt, "train_and_close": train_and_close,
+             "collectives": collectives}
 
 
 def main() -> None:

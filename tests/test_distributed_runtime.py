@@ -66,3 +66,15 @@ def test_a_launch_that_does_not_match_the_mesh_fails_before_any_collective(monke
     x, y = lm_data(2, 16, 64)[0]
     with pytest.raises(ValueError, match=r"mesh has 2 ranks but WORLD_SIZE is 3.*torchrun"):
         engine.train_step(x[None].repeat(2, 1), y[None].repeat(2, 1))
+
+
+def test_leaving_the_engine_releases_its_process_groups():
+    """``with Engine(...)``: every process group the engine made (and the default one it
+    created) is destroyed on the way out, so nothing c10d is pending at exit; the ranks'
+    training matches eager."""
+    results = run_ranks("train_and_close", 2, "dp")
+    ref_losses, _, _ = _eager("sgd", 2, 4, 0.0)
+    for result in results:
+        assert result["initialized"] is False
+        torch.testing.assert_close(torch.tensor(result["loss"]), torch.tensor(ref_losses),
+                                   rtol=RTOL, atol=ATOL)
