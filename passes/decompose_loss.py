@@ -15,20 +15,19 @@ import torch
 
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.core import TensorType
+from ..ir.ops import schema_args
 from .context import PassContext
 
 _NLL = "aten.nll_loss_forward.default"
 _MEAN, _SUM = 1, 2
-_REDUCTION = 3   # nll_loss_forward(self, target, weight, reduction, ignore_index)
-_WEIGHT, _IGNORE = 2, 4
 _RESHAPES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
              "aten.clone.default", "aten.flatten.using_ints"}
 
 
 def decompose_loss(program: Program, ctx: PassContext) -> Program:
     for op in list(program.ops):
-        if (op.kind is OpKind.CALL and op.target == _NLL and len(op.args) > _REDUCTION
-                and op.args[_REDUCTION] == _MEAN):
+        if op.kind is OpKind.CALL and op.target == _NLL \
+                and schema_args(op)["reduction"] == _MEAN:
             _split_mean(program, op)
     return program
 
@@ -36,11 +35,12 @@ def decompose_loss(program: Program, ctx: PassContext) -> Program:
 def _split_mean(program: Program, op: Op) -> None:
     mean, total_weight = op.outputs
     total = Value(mean.type)
-    op.args = op.args[:_REDUCTION] + (_SUM,) + op.args[_REDUCTION + 1:]
+    a = schema_args(op)
+    op.args, op.kwargs = (a["self"], a["target"], a["weight"], _SUM, a["ignore_index"]), {}
     op.outputs = [total, total_weight]
     total.producer, total.index = op, 0
     divisor = total_weight
-    if op.args[_WEIGHT] is None:
+    if a["weight"] is None:
         divisor = _count_targets(program, op, total_weight.type)
         _read_instead(program, total_weight, divisor)
     divide = Op(OpKind.CALL, "aten.div.Tensor", (total, divisor), outputs=[mean],
@@ -54,7 +54,7 @@ def _count_targets(program: Program, op: Op, dtype_of: TensorType) -> Value:
     labels = op.args[1]
     while labels.producer.kind is OpKind.CALL and labels.producer.target in _RESHAPES:
         labels = labels.producer.args[0]
-    ignore = op.args[_IGNORE] if len(op.args) > _IGNORE else -100
+    ignore = schema_args(op)["ignore_index"]
     kept = Value(TensorType(labels.type.shape, torch.bool))
     ones = Value(TensorType(labels.type.shape, dtype_of.dtype))
     weight = Value(dtype_of)

@@ -23,6 +23,7 @@ import fnmatch
 from ..ir import Op, OpKind, Program, StateKind, Value
 from ..ir.attrs import NAME
 from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
+from ..ir.ops import schema_args
 from ..ir.reason import Reason
 from ..spmd import lookup
 from ..spmd.registry import tensor_inputs
@@ -154,8 +155,7 @@ def _fused_pieces(consumer: Op, placed: Shard, axis: int, mesh: ProcessMesh,
 
 
 def _dim_arg(op: Op, ndim: int) -> int:
-    d = op.args[2] if len(op.args) > 2 else op.kwargs.get("dim", 0)
-    return d % ndim
+    return schema_args(op)["dim"] % ndim
 
 
 def _landing(op: Op, rule, index: int, dist: DistAttr, axis: int) -> Placement:

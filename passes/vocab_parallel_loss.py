@@ -37,6 +37,7 @@ from ..ir import Op, OpKind, Program, TensorType, Value
 from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DECOMPOSES
 from ..ir.dist import DistAttr
+from ..ir.ops import schema_args
 from ..spmd.registry import tensor_inputs
 from .context import PassContext
 
@@ -112,7 +113,8 @@ class _Builder:
 
 
 def _arg(op: Op, index: int, name: str):
-    return op.args[index] if len(op.args) > index else op.kwargs[name]
+    """An argument by its schema name (given by position or keyword, or its default)."""
+    return schema_args(op)[name]
 
 
 def _row_type(t: TensorType, dim: int) -> TensorType:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...ir.core import Op
+from ...ir.ops import schema_args
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
 
@@ -24,9 +25,8 @@ def _embedding_backward(op: Op, ctx: LocalContext) -> LocalCall | None:
     if not any(p.is_shard(0) for p in placements):
         return None     # (a grouped vocab shard goes on: out_offsets refuses it by name)
     (rows, *_), (offset, *_) = ctx.out_offsets(op, 0)
-    grad, indices, _, padding_idx, scale = (tuple(op.args) + (None,) * 5)[:5]
-    padding_idx = op.kwargs.get("padding_idx", padding_idx)
-    scale = op.kwargs.get("scale_grad_by_freq", scale)
+    a = schema_args(op)
     return LocalCall("autopar.vocab_embedding_backward",
-                     (grad, indices, rows, offset, -1 if padding_idx is None else padding_idx,
-                      bool(scale)), {}, f"gradient of vocab rows [{offset}, {offset + rows})")
+                     (a["grad_output"], a["indices"], rows, offset, a["padding_idx"],
+                      bool(a["scale_grad_by_freq"])), {},
+                     f"gradient of vocab rows [{offset}, {offset + rows})")

@@ -11,12 +11,14 @@ Means keep the class axis whole (the rule), so no form here divides.
 from __future__ import annotations
 
 from ...ir.core import Op
+from ...ir.ops import schema_args
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
 
 
 def _arg(op: Op, index: int, name: str):
-    return op.args[index] if len(op.args) > index else op.kwargs[name]
+    """An argument by its schema name (given by position or keyword, or its default)."""
+    return schema_args(op)[name]
 
 
 def _class_offset(op: Op, ctx: LocalContext, self_index: int) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ...ir.attrs import STRIDES
 from ...ir.core import Op
+from ...ir.ops import schema_args
 from .context import LocalCall, LocalContext, UnsupportedLocalForm
 from .registry import register_local_form
 
@@ -67,8 +68,8 @@ def _random(op: Op, ctx: LocalContext) -> LocalCall | None:
 
 @register_local_form("aten.native_dropout.default")
 def _native_dropout(op: Op, ctx: LocalContext) -> LocalCall | None:
-    x, p = op.args[0], op.args[1]
-    train = op.args[2] if len(op.args) > 2 else op.kwargs.get("train")
+    a = schema_args(op)
+    x, p, train = a["input"], a["p"], a["train"]
     if train is False:
         return None     # no draw: the input and a mask of ones
     if ctx.out_placements(0) != ctx.out_placements(1):

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from ...ir.core import Op
 from ...ir.dist import Partial, Shard
+from ...ir.ops import schema_args
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
 
@@ -39,15 +40,11 @@ def _dims(dims: Any, ndim: int) -> list[int]:
 
 @register_local_form("aten.mean.dim", "aten.mean.default")
 def _mean(op: Op, ctx: LocalContext) -> LocalCall | None:
-    x = op.args[0]
+    a = schema_args(op)
+    x = a["self"]
     ndim = len(x.type.shape)
-    if op.target == "aten.mean.default":
-        dims, keepdim = list(range(ndim)), False
-        dtype = op.args[1] if len(op.args) > 1 else op.kwargs.get("dtype")
-    else:
-        dims = _dims(op.args[1] if len(op.args) > 1 else op.kwargs.get("dim"), ndim)
-        keepdim = op.args[2] if len(op.args) > 2 else op.kwargs.get("keepdim", False)
-        dtype = op.args[3] if len(op.args) > 3 else op.kwargs.get("dtype")
+    dims = _dims(a.get("dim"), ndim)
+    keepdim, dtype = bool(a.get("keepdim")), a["dtype"]
     count = _mean_count(op, ctx, dims)
     if count is None:
         return None
@@ -61,8 +58,7 @@ _MSE_SUM = 2
 
 @register_local_form("aten.mse_loss.default")
 def _mse_loss(op: Op, ctx: LocalContext) -> LocalCall | None:
-    reduction = op.args[2] if len(op.args) > 2 else op.kwargs.get("reduction", _MSE_MEAN)
-    if reduction != _MSE_MEAN:
+    if schema_args(op)["reduction"] != _MSE_MEAN:
         return None
     count = _mean_count(op, ctx, range(len(op.args[0].type.shape)))
     if count is None:
@@ -76,8 +72,7 @@ def _mse_loss(op: Op, ctx: LocalContext) -> LocalCall | None:
 def _mse_loss_backward(op: Op, ctx: LocalContext) -> LocalCall | None:
     """mean reduction scales by 1/numel: the global numel, not the piece's."""
     grad, x, target = op.args[:3]
-    reduction = op.args[3] if len(op.args) > 3 else op.kwargs.get("reduction", _MSE_MEAN)
-    if reduction != _MSE_MEAN:
+    if schema_args(op)["reduction"] != _MSE_MEAN:
         return None
     tensors = [v for v in op.inputs if v.is_tensor]
     x_index = tensors.index(x)

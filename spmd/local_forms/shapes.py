@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...ir.core import Op
+from ...ir.ops import schema_args
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
 
@@ -75,7 +76,7 @@ def _split(op: Op, ctx: LocalContext) -> LocalCall | None:
     spmd/rules/views.py) cuts the rank's piece into the outputs' local pieces: the global
     split sizes become the local ones."""
     shape = [v for v in op.inputs if v.is_tensor][0].type.shape
-    d = (op.args[2] if len(op.args) > 2 else op.kwargs.get("dim", 0)) % len(shape)
+    d = schema_args(op)["dim"] % len(shape)
     if not ctx.in_shard_mesh_dims(0, d):
         return None
     sizes = [ctx.out_shape(op, i)[d] for i in range(len(op.outputs))]
@@ -94,13 +95,8 @@ def _arange(op: Op, ctx: LocalContext) -> LocalCall | None:
     """A sharded range is the range of the piece: ``start + offset*step`` on."""
     if not ctx.out_sharded(0):
         return None
-    args = tuple(op.args)
-    if op.target == "aten.arange.default":
-        start, step = 0, 1
-    else:
-        start = args[0]
-        step = args[2] if op.target == "aten.arange.start_step" and len(args) > 2 \
-            else op.kwargs.get("step", 1)
+    a = schema_args(op)
+    start, step = a.get("start") or 0, a.get("step") or 1
     (size,), (offset,) = ctx.out_offsets(op, 0)
     kwargs = {k: v for k, v in op.kwargs.items() if k not in ("start", "end", "step")}
     if "dtype" not in kwargs:
@@ -120,6 +116,6 @@ def _tril(op: Op, ctx: LocalContext) -> LocalCall | None:
     row, col = offset[-2], offset[-1]
     if row == col:
         return None
-    diagonal = op.args[1] if len(op.args) > 1 else op.kwargs.get("diagonal", 0)
+    diagonal = schema_args(op)["diagonal"]
     return LocalCall(op.target, (op.args[0], diagonal + row - col), {},
                      f"diagonal shifted by {row - col}")

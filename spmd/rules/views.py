@@ -30,6 +30,7 @@ from ..dim_transforms import MOVE_PARTIALS, view_groups, view_spec
 from ..einsum import Decision, MeshDimChoice, Option, infer_forward, infer_reverse
 from ..registry import describe, output_types, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
+from .common import schema_args
 
 
 def _move(inputs: Sequence[str], outputs: Sequence[str], replicated: Sequence[str] = ()) -> Spec:
@@ -38,10 +39,10 @@ def _move(inputs: Sequence[str], outputs: Sequence[str], replicated: Sequence[st
 
 
 def _param(op: Op, index: int, name: str, default: Any = None) -> Any:
-    """An op argument by position or keyword (ATen schemas allow both)."""
-    if len(op.args) > index:
-        return op.args[index]
-    return op.kwargs.get(name, default)
+    """An op argument by its schema name, given by position or keyword or omitted (its
+    schema default; ``default`` where the schema has none)."""
+    value = schema_args(op)[name]
+    return default if value is None else value
 
 
 def _shape(op: Op, i: int = 0) -> tuple[int, ...]:
