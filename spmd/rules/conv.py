@@ -3,7 +3,7 @@ channels; spatial and kernel dims change size through the op, so they never shar
 
 A convolution is a product over input channels: sharded ``c`` (input and weight alike)
 makes the output Partial(sum), and its bias then joins as a Partial term too, as in
-``addmm`` (``AffineProduct``). Sharded ``o`` (the weight's output channels) gives an
+``addmm`` (``BiasedProduct``). Sharded ``o`` (the weight's output channels) gives an
 output sharded on channels: the colwise dim of a conv. Grouped convolutions keep channels
 whole (a group's channels must meet). The backward is linear in the output gradient.
 """
