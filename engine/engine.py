@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -67,8 +68,9 @@ class Engine:
         self.state = ModelState(model, optimizer)
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
-            self.runtime = DistributedRuntime(self.launch.rank, self.launch.world_size,
-                                              _device(model))
+            self.runtime = DistributedRuntime(
+                self.launch.rank, self.launch.world_size, _device(model),
+                timedelta(seconds=self.strategy.collective_timeout_s))
         else:
             self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size)
         self.planner = Planner(model, loss, optimizer, self.strategy, layout,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -92,14 +93,15 @@ def p2p_group(mesh: ProcessMesh) -> Any:
     from the groups collectives use (made once, by every rank alike)."""
     if mesh not in _P2P:
         mesh_groups(mesh)
-        _P2P[mesh] = dist.new_group(sorted(mesh.process_ids))    # destroyed by shutdown()
+        _P2P[mesh] = dist.new_group(sorted(mesh.process_ids),   # destroyed by shutdown()
+                                    timeout=_TIMEOUT[0])
     return _P2P[mesh]
 
 
 def _new_group(ranks: list[int], world: int) -> Any:
     if len(ranks) == world and sorted(ranks) == list(range(world)):
         return dist.group.WORLD
-    group = dist.new_group(ranks)
+    group = dist.new_group(ranks, timeout=_TIMEOUT[0])
     _MADE.append(group)
     return group
 
@@ -107,6 +109,9 @@ def _new_group(ranks: list[int], world: int) -> Any:
 # the groups made here, and whether the default group is ours (init_distributed made it)
 _MADE: list[Any] = []
 _OWN_DEFAULT: list[bool] = [False]
+# the collective timeout init_distributed was given: new groups do not inherit the default
+# group's, so each is made with it
+_TIMEOUT: list[timedelta | None] = [None]
 
 
 def shutdown() -> None:
@@ -140,18 +145,20 @@ def check_launch(expected_world_size: int, world: int) -> None:
             "debug.simulate: true to run every rank in this process)")
 
 
-def init_distributed(device: torch.device, expected_world_size: int,
-                     world: int) -> tuple[int, int]:
+def init_distributed(device: torch.device, expected_world_size: int, world: int,
+                     timeout: timedelta | None = None) -> tuple[int, int]:
     """Join the process group torchrun describes (env:// rendezvous, so multi-node works
     through torchrun's own flags); returns (rank, world size). ``world`` is the launch's
-    WORLD_SIZE; it must match the plan before any collective could hang."""
+    WORLD_SIZE; it must match the plan before any collective could hang. ``timeout``
+    bounds every collective and message of the groups made here (None: torch's default)."""
     check_launch(expected_world_size, world)
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             raise RuntimeError("WORLD_SIZE is set but MASTER_ADDR is not: launch with torchrun")
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend_for(device))
+        dist.init_process_group(backend_for(device), timeout=timeout)
+        _TIMEOUT[0] = timeout
         _OWN_DEFAULT[0] = True
         atexit.register(shutdown)      # a script that never calls Engine.close()
     if dist.get_world_size() != expected_world_size:

@@ -15,6 +15,7 @@ first update creates).
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -73,8 +74,10 @@ class LocalRuntime:
 class DistributedRuntime:
     """This process of a launch of ``world`` processes (torchrun's RANK and WORLD_SIZE)."""
 
-    def __init__(self, rank: int, world: int, device: torch.device):
+    def __init__(self, rank: int, world: int, device: torch.device,
+                 timeout: timedelta | None = None):
         self.rank, self.world, self.device = rank, world, device
+        self.timeout = timeout            # of every collective and message
         self.state: RankState | None = None
         self._mesh = None                 # the mesh (or full pipeline mesh) state lives on
 
@@ -85,7 +88,7 @@ class DistributedRuntime:
                 f"a plan with no mesh (serial) cannot run on a launch of world size "
                 f"{self.world}: give the strategy a mesh of {self.world} ranks, or launch one "
                 "process")
-        init_distributed(self.device, processes, self.world)
+        init_distributed(self.device, processes, self.world, self.timeout)
         made = lowered.process(self.rank)
         if isinstance(made, PipelineProcess):
             return self._pipeline(lowered, made, initial)

@@ -85,6 +85,9 @@ class Strategy(BaseModel):
     grad_clip: GradClipConfig = Field(default_factory=GradClipConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     seed: int = Field(default=0, strict=True, ge=0, lt=2**64)  # what torch.manual_seed takes
+    # How long a rank waits in one collective or message before it fails (torch's default
+    # for gloo and NCCL): a peer that hangs instead of dying stops the job after this long.
+    collective_timeout_s: float = Field(default=1800.0, gt=0, le=7 * 24 * 3600)
 
     # ---- construction -------------------------------------------------------------------
 

@@ -1,10 +1,16 @@
-"""Launch real ranks for a test: N processes with torchrun's environment on a free loopback
-port, each running ``tests/rank_main.py <scenario>``; their results come back as Python
-objects. A rank that fails stops the others at once, and a run past its time limit is
-killed, so a broken collective fails the test with every rank's output instead of hanging.
+"""Launch real ranks for a test with the real ``torchrun`` (``python -m
+torch.distributed.run``), as a user would: N workers on a free loopback port, each running
+``tests/rank_main.py <scenario>``; their results come back as Python objects.
+
+torchrun's agent stops every worker when one fails and exits non-zero, and a launch past
+its time limit is killed, so a broken collective fails the test with every rank's output
+instead of hanging. Every launch must exit 0: a rank that trains correctly and then dies at
+interpreter exit (a teardown race) fails the test too.
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -13,42 +19,58 @@ from typing import Any
 
 import torch
 
-from autopar.runtime.launch import free_port, rank_env, wait_ranks
+from autopar.runtime.launch import free_port
 
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 
 
+def torchrun_command(world: int, port: int, log_dir: Path, *script: str) -> list[str]:
+    """The torchrun command line of one local launch: no restarts, each worker's output in
+    its own file under ``log_dir``."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+            "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+            "--max-restarts=0", "--monitor-interval=0.1", f"--log-dir={log_dir}",
+            "--redirects=3", *script]
+
+
+def launch(world: int, out: Path, *script: str, env: dict[str, str] | None = None,
+           ) -> subprocess.Popen:
+    """Start torchrun for ``script`` (its own output goes to ``out/torchrun.log``)."""
+    with open(out / "torchrun.log", "w") as log:     # torchrun keeps its own copy
+        return subprocess.Popen(
+            torchrun_command(world, free_port(), out / "logs", *script),
+            env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for torchrun; '' when it exited 0, else what went wrong. A launch past its time
+    limit is killed with all its workers (they share its session)."""
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return f"timed out after {timeout:.0f} s"
+    return "" if code == 0 else f"torchrun exited with {code}"
+
+
 def run_ranks(scenario: str, world: int, *args: str, timeout: float = 240) -> list[Any]:
-    """Run ``scenario`` on ``world`` ranks; returns each rank's result, by rank."""
-    with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        results = [Path(out) / f"rank{r}.pt" for r in range(world)]
-        logs = [open(Path(out) / f"rank{r}.log", "w+") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, str(RANK_MAIN), scenario, *args],
-                                  env=rank_env(r, world, port,
-                                               AUTOPAR_TEST_RESULT=str(results[r]),
-                                               PYTHONWARNINGS="ignore"),
-                                  stdout=logs[r],
-                                  stderr=subprocess.STDOUT)
-                 for r in range(world)]
-        try:
-            failure = wait_ranks(procs, timeout)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+    """Run ``scenario`` on ``world`` ranks under torchrun; returns each rank's result, by
+    rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        proc = launch(world, out, str(RANK_MAIN), scenario, *args,
+                      env={"AUTOPAR_TEST_RESULT_DIR": str(out)})
+        failure = finish(proc, timeout)
         if failure:
-            raise AssertionError(f"{scenario} on {world} ranks: {failure}\n" + _tails(logs))
-        return [torch.load(path, weights_only=False) for path in results]
+            raise AssertionError(f"{scenario} on {world} ranks: {failure}\n" + logs(out))
+        return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _tails(logs) -> str:
-    parts = []
-    for r, log in enumerate(logs):
-        log.flush()
-        log.seek(0)
-        text = log.read()
-        parts.append(f"--- rank {r} ---\n{text[-3000:]}")
-        log.close()
+def logs(out: Path) -> str:
+    """torchrun's own output and the tail of every worker's."""
+    parts = [f"--- torchrun ---\n{(out / 'torchrun.log').read_text()[-3000:]}"]
+    for path in sorted((out / "logs").rglob("stdout.log")):
+        parts.append(f"--- worker {path.parent.name} ---\n{path.read_text()[-3000:]}")
     return "\n".join(parts)

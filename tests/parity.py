@@ -66,13 +66,14 @@ def gpt_optimizer(name: str, model: torch.nn.Module, warmup: int = 10):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
 
 
-def parity_gpt(optim: str, vocab: int = 64, seq: int = 16, dropout: float = 0.0):
+def parity_gpt(optim: str, vocab: int = 64, seq: int = 16, dropout: float = 0.0,
+               layers: int = 2):
     """The small GPT parity runs train. With AdamW it has no qkv bias: the key part of a
     fused qkv bias has an identically zero gradient whose fp32 rounding noise Adam follows
     (tests/test_parity_dist.py)."""
     from autopar.models import GPT, GPTConfig
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, block_size=seq,
+    model = GPT(GPTConfig(n_layer=layers, n_embd=32, n_head=4, vocab_size=vocab, block_size=seq,
                           dropout=dropout, sdpa=optim == "adamw"))
     if optim == "adamw":
         for block in model.blocks:

@@ -1,6 +1,6 @@
 """What one real rank runs for a multi-process test (launched by ``tests/multiproc.py``):
 ``python tests/rank_main.py <scenario> [args]``. The rank's result is saved to
-``$AUTOPAR_TEST_RESULT`` for the test process to compare."""
+``$AUTOPAR_TEST_RESULT_DIR/rank<RANK>.pt`` for the test process to compare."""
 from __future__ import annotations
 
 import os
@@ -19,11 +19,12 @@ ROOT = Path(__file__).parent.parent
 
 
 def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0",
-              trace_dir: str = "") -> dict:
+              trace_dir: str = "", layers: str = "2") -> dict:
     """The GPT of ``parity_gpt`` trained through ``Engine.fit`` on ``configs/<config>.yaml``
-    (with ``trace_dir``: dumps and a pipeline trace there)."""
+    (with ``trace_dir``: dumps and a pipeline trace there), then evaluated and asked to
+    predict on the first batch."""
     from autopar.models.gpt import lm_loss
-    model = parity_gpt(optim, dropout=float(dropout))
+    model = parity_gpt(optim, dropout=float(dropout), layers=int(layers))
     optimizer, scheduler = gpt_optimizer(optim, model)
     strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml")
     if trace_dir:
@@ -51,6 +52,25 @@ def train_and_close(config: str) -> dict:
     return {"loss": losses, "state": state, "initialized": torch.distributed.is_initialized()}
 
 
+def train_until_killed(config: str, marker_dir: str) -> dict:
+    """Train the GPT step after step until the test kills a rank: each rank writes
+    ``<marker_dir>/rank<R>.pid`` once it has finished two steps, so the kill lands mid-run.
+    A collective timeout of 60 s bounds how long a peer of a hung (not dead) rank waits."""
+    from autopar.models.gpt import lm_loss
+    model = parity_gpt("sgd")
+    optimizer, _ = gpt_optimizer("sgd", model)
+    strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml").model_copy(
+        update={"collective_timeout_s": 60.0})
+    engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy)
+    x, y = (torch.stack(t) for t in zip(*lm_data(8, 16, 64)))
+    for step in range(100_000):
+        engine.train_step(x, y)
+        if step == 1:
+            marker = Path(marker_dir) / f"rank{os.environ['RANK']}.pid"
+            marker.write_text(str(os.getpid()))
+    raise AssertionError("the test should have killed a rank long before")
+
+
 def collectives() -> dict:
     """Every reshard step as a real collective against the reference semantics, on every
     mesh this world size allows (row-major and shuffled ids), even and uneven."""
@@ -59,13 +79,14 @@ def collectives() -> dict:
 
 
 SCENARIOS = {"train_gpt": train_gpt, "train_and_close": train_and_close,
-             "collectives": collectives}
+             "train_until_killed": train_until_killed, "collectives": collectives}
 
 
 def main() -> None:
     scenario, *args = sys.argv[1:]
     result = SCENARIOS[scenario](*args)
-    torch.save(result, os.environ["AUTOPAR_TEST_RESULT"])
+    out = Path(os.environ["AUTOPAR_TEST_RESULT_DIR"])
+    torch.save(result, out / f"rank{os.environ['RANK']}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

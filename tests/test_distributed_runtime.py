@@ -34,6 +34,7 @@ def _eager(optim: str, steps: int, batch: int, dropout: float):
 CASES = [("dp", 2, "adamw", 6, 0.1),      # 3 + 3 rows per rank, dropout masks sliced
          ("dp", 2, "sgd", 5, 0.0),        # 3 + 2 rows: uneven shards
          ("tp", 2, "adamw", 4, 0.1),
+         ("tp_sp", 2, "adamw", 4, 0.1),   # sequence parallel: reduce-scatter / all-gather
          ("dp_tp", 4, "sgd", 4, 0.0)]
 
 
@@ -54,7 +55,13 @@ def test_gpt_on_real_ranks_matches_eager(config, world, optim, batch, dropout):
         for key, value in state.items():
             torch.testing.assert_close(results[0]["optim"][index][key], value, rtol=RTOL,
                                        atol=ATOL, msg=lambda m: f"optimizer {index} {key}: {m}")
-    assert results[0]["valid"] == results[-1]["valid"]
+    # evaluate and predict (eval mode: no dropout) on the first batch, as eager computes them
+    x, y = (torch.stack(t) for t in zip(*lm_data(batch, 16, 64)))
+    with torch.no_grad():
+        logits = ref.eval()(x)
+    for result in results:
+        assert result["valid"]["loss"] == pytest.approx(lm_loss(logits, y).item(), rel=RTOL)
+        torch.testing.assert_close(result["predict"], logits, rtol=RTOL, atol=ATOL)
 
 
 def test_a_launch_that_does_not_match_the_mesh_fails_before_any_collective(monkeypatch):

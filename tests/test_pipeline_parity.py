@@ -132,22 +132,24 @@ def test_one_stage_accumulates_gradients_like_the_full_batch():
 
 # -- real processes ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config,world,optim", [
-    ("pp_1f1b", 2, "adamw"), ("pp_zbh1", 2, "sgd"), ("dp_pp", 4, "sgd"),
+@pytest.mark.parametrize("config,world,optim,layers,stages", [
+    ("pp_1f1b", 2, "adamw", 2, 2), ("pp_zbh1", 2, "sgd", 2, 2), ("pp_fthenb", 2, "sgd", 2, 2),
+    ("pp_vpp", 2, "adamw", 4, 4), ("dp_pp", 4, "sgd", 2, 2),
 ])
-def test_real_gloo_ranks_train_like_eager(config, world, optim, tmp_path):
+def test_real_gloo_ranks_train_like_eager(config, world, optim, layers, stages, tmp_path):
     results = run_ranks("train_gpt", world, config, optim, str(STEPS), str(BATCH), "0.1",
-                        str(tmp_path))
-    model = gpt(2, optim)
-    model.load_state_dict(eager(2, optim)[1])
+                        str(tmp_path), str(layers))
+    model = gpt(layers, optim)
+    model.load_state_dict(eager(layers, optim)[1])
+    x, y = (torch.stack(t) for t in zip(*lm_data(BATCH, SEQ, VOCAB)))
     with torch.no_grad():
-        want = model.eval()(torch.stack([x for x, _ in lm_data(BATCH, SEQ, VOCAB)]))
+        want = model.eval()(x)
     for result in results:       # every rank reports the global loss and the full model
-        assert_like_eager(result["loss"], result["state"], 2, optim)
-        assert result["valid"]["loss"] == pytest.approx(results[0]["valid"]["loss"])
+        assert_like_eager(result["loss"], result["state"], layers, optim)
+        assert result["valid"]["loss"] == pytest.approx(lm_loss(want, y).item(), rel=RTOL)
         torch.testing.assert_close(result["predict"], want, rtol=RTOL, atol=ATOL)
         # the optimizer's state_dict is torch's full state, gathered across the stages
-        for index, state in eager(2, optim)[2].items():
+        for index, state in eager(layers, optim)[2].items():
             for key, value in state.items():
                 torch.testing.assert_close(result["optim"][index][key], value, rtol=RTOL,
                                            atol=ATOL, msg=lambda m: f"state {index} {key}: {m}")
@@ -155,8 +157,9 @@ def test_real_gloo_ranks_train_like_eager(config, world, optim, tmp_path):
     trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == set(range(world))
-    assert sum(e["name"].startswith("F") for e in spans) == STEPS * 4 * world
-    assert (tmp_path / "rank1" / "19_jobs.txt").exists()
+    # 4 micro-batches through every stage of every pipeline (pp is 2: dp_pp has two)
+    assert sum(e["name"].startswith("F") for e in spans) == STEPS * 4 * stages * (world // 2)
+    assert list((tmp_path / "rank1").glob("[0-9][0-9]_jobs.txt"))     # the lowered jobs
 
 
 def test_simulated_trace_is_the_schedule_timeline(tmp_path):
