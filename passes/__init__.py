@@ -1,6 +1,7 @@
 """Passes: the planned program, one transformation per file, run in order by ``manager``.
 
     decompose_loss, fold_noops, dead_code        clean up the captured step
+    functionalize_writes                         writes through views made out of place
     clip_grad, lower_optimizer                   gradient clipping and the optimizer's updates
     vocab_parallel_loss                          log_softmax decomposed where classes may shard
     settle_mesh                                  the mesh and pipeline the program runs on

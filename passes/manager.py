@@ -24,6 +24,7 @@ from .dead_code import dead_code
 from .decompose_loss import decompose_loss
 from .explain import format_explanations
 from .fold_noops import fold_noops
+from .functionalize_writes import functionalize_writes
 from .join_gradients import join_gradients
 from .lower_optimizer import lower_optimizer
 from .pin_annotations import pin_annotations
@@ -64,6 +65,7 @@ F = Fact
 PIPELINE: tuple[Pass, ...] = (
     _pass("decompose_loss", decompose_loss),
     _pass("fold_noops", fold_noops),
+    _pass("functionalize_writes", functionalize_writes),
     _pass("dead_code", dead_code),
     _pass("clip_grad", clip_grad),
     _pass("lower_optimizer", lower_optimizer, makes=(F.OPTIMIZER,)),

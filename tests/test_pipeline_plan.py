@@ -224,13 +224,13 @@ def test_dumps_show_the_schedule_and_every_rank_s_jobs(tmp_path):
     s = pipeline().model_copy(update={"debug": ap.Strategy(
         debug={"dump_dir": str(tmp_path), "simulate": True}).debug})
     planned(gpt(4), s)
-    jobs = (tmp_path / "rank0" / "18_schedule_pipeline.jobs.txt").read_text()
+    jobs = next((tmp_path / "rank0").glob("[0-9][0-9]_schedule_pipeline.jobs.txt")).read_text()
     assert "rank 0 (stages [0], peak in-flight micro-batches 2): F0 F1 B0 F2 B1 F3 B2 B3" in jobs
     assert "bubble=" in jobs and "rank 1 " in jobs
-    rank1 = (tmp_path / "rank1" / "19_jobs.txt").read_text()
+    rank1 = next((tmp_path / "rank1").glob("[0-9][0-9]_jobs.txt")).read_text()
     assert "# job F0@s1" in rank1 and "comm.recv()" in rank1 and "comm.send(" in rank1
     assert "accumulate[" in rank1 and "# job post" in rank1
-    stages = (tmp_path / "rank0" / "17_assign_phases.txt").read_text()
+    stages = next((tmp_path / "rank0").glob("[0-9][0-9]_assign_phases.txt")).read_text()
     assert "@s0:F" in stages and "@s1:B" in stages and "@s0,1:post" in stages
 
 

@@ -13,5 +13,6 @@ from . import (  # noqa: F401
     pointwise,
     reduction,
     softmax,
+    view_writes,
     views,
 )
