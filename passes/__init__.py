@@ -4,6 +4,7 @@
     functionalize_writes                         writes through views made out of place
     clip_grad, lower_optimizer                   gradient clipping and the optimizer's updates
     vocab_parallel_loss                          log_softmax decomposed where classes may shard
+    sync_batch_norm                              batch norm's statistics all-reduced under dp
     settle_mesh                                  the mesh and pipeline the program runs on
     pin_annotations, tensor_parallel_plan,       the placements the user gave (shard_tensor,
       sequence_parallel, shard_batch               the tp plan, Megatron-SP, the batch)

@@ -34,6 +34,7 @@ from .sequence_parallel import sequence_parallel
 from .settle_mesh import settle_mesh
 from .shard_batch import shard_batch
 from .split_stages import split_stages
+from .sync_batch_norm import sync_batch_norm
 from .tensor_parallel_plan import tensor_parallel_plan
 from .vocab_parallel_loss import vocab_parallel_loss
 
@@ -70,6 +71,7 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("clip_grad", clip_grad),
     _pass("lower_optimizer", lower_optimizer, makes=(F.OPTIMIZER,)),
     _pass("vocab_parallel_loss", vocab_parallel_loss),
+    _pass("sync_batch_norm", sync_batch_norm),
     _pass("settle_mesh", settle_mesh, makes=(F.MESH,)),
     _pass("pin_annotations", pin_annotations, needs=(F.MESH,)),
     _pass("tensor_parallel_plan", tensor_parallel_plan, needs=(F.MESH,)),

@@ -45,7 +45,10 @@ def layer_norm_backward(op: Op) -> Spec:
 # stay whole); in eval the running statistics make the op elementwise, so they shard too and
 # the backward's weight/bias grads (sums over them) come out Partial(sum). save_mean and
 # save_invstd are (C,), or empty in eval. Training also updates running_mean/var in place;
-# a channel shard updates its own slice.
+# a channel shard updates its own slice. Where the batch may be sharded (data parallelism),
+# passes/sync_batch_norm.py rewrites training batch norm into means and sums whose rules keep
+# the batch sharded (its statistics all-reduced), so "whole" here is what serial and
+# reduced-precision programs see.
 def _batch_norm_letters(op: Op, training: bool) -> tuple[str, str, set[str]]:
     rank = len(schema_args(op)["input"].type.shape)
     full = letters(rank)
