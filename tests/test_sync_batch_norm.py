@@ -297,3 +297,33 @@ def test_dumps_show_the_all_reduces_and_explain_says_why(tmp_path):
     assert "all_reduce(sum) over dp: {P(sum)} -> {R} for aten.sub.Tensor (bn fwd)" in why
     assert "aten.mean.dim (bn fwd)" in why and "{P(sum)}" in why
     assert "data_parallel.axis dp: batch dim 0" in why
+
+
+def test_a_batch_sharded_by_shard_tensor_is_synchronized_too():
+    """No data_parallel section: a shard_tensor in forward shards the batch over a 2-rank
+    mesh, and the pass rewrites as under dp."""
+    mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+
+    class Annotated(zoo.BatchNormNet):
+        def forward(self, x):
+            return super().forward(ap.shard_tensor(x, mesh, [ap.Shard(0)]))
+
+    torch.manual_seed(0)
+    model = Annotated()
+    reference = copy.deepcopy(model)
+    data = _samples((8,), 4, 16)
+    engine = ap.Engine(model, F.cross_entropy, _optimizer(model), strategy=_strategy(""))
+    got = engine.fit(data, batch_size=8, steps_per_epoch=2, verbose=0)["loss"]
+    want = _eager(reference, F.cross_entropy, data, 8, 2)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    _assert_same_state(model, reference)
+    assert len(_statistic_all_reduces(engine.planner.last("train").program)) == 4
+
+
+def test_tensor_parallel_alone_keeps_the_fused_kernels():
+    """tp shards channels, never the batch: nothing to synchronize."""
+    tp = ("mesh: {shape: [2], dim_names: [tp]}\n"
+          "tensor_parallel: {axis: tp, plan: {conv1: colwise, conv2: rowwise}}\n")
+    program = _prepare(tp, name="cnn")
+    assert [op.target for op in program.ops if op.target == BN] == [BN, BN]
+    assert not [op for op in program.ops if "batch_norm" in op.attrs.get(DECOMPOSES, "")]
