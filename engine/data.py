@@ -6,6 +6,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..ir.capture import batch_paths, flatten_batch
+from ..passes.shard_batch import batch_dim_of
+
 
 def _split_sample(batch: Any) -> tuple[Any, Any]:
     """A batch is ``(inputs, labels)``; anything else is inputs without labels."""
@@ -29,6 +32,11 @@ def batches(data: Dataset | DataLoader | Any, batch_size: int, collate_fn: Calla
         yield _split_sample(batch)
 
 
-def batch_size_of(inputs: Any) -> int:
-    leaves = [x for x in torch.utils._pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
-    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 1
+def batch_size_of(inputs: Any, batch_dim: int | dict[str, int] = 0) -> int:
+    """Rows of the batch: the size of the first input tensor's batch dim (the strategy's
+    ``batch_dim``)."""
+    leaves, _ = flatten_batch(inputs, None)
+    for path, leaf in zip(batch_paths(inputs, None), leaves):
+        if leaf.dim() > 0:
+            return int(leaf.shape[batch_dim_of(batch_dim, path, tuple(leaf.shape))])
+    return 1

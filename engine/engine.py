@@ -218,7 +218,7 @@ class Engine:
             if steps is not None and step > steps:
                 break
             loss, outputs = self._forward("eval", inputs, labels)
-            n = batch_size_of(inputs)
+            n = batch_size_of(inputs, self.strategy.batch_dim)
             scores = {"loss": loss} if loss is not None else {}
             scores.update({name: float(fn(outputs, labels)) for name, fn in self.metrics.items()})
             for k, v in scores.items():

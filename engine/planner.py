@@ -115,7 +115,7 @@ class Planner:
         pipe = self.strategy.pipeline
         if pipe is None:
             return None
-        rows = batch_size_of(inputs)
+        rows = batch_size_of(inputs, self.strategy.batch_dim)
         dp = self.strategy.degree("data_parallel")
         if mode == "train":
             if rows % (dp * pipe.micro_batches):

@@ -32,7 +32,8 @@ import torch
 
 from .dist import DistAttr
 
-__all__ = ["StateKind", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME", "STATE", "SLOTS",
+__all__ = ["StateKind", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME", "BATCH_PATH", "STATE",
+           "SLOTS",
            "CONST", "MULTI", "STRIDES", "DIST", "PINNED_DIMS", "ORIGIN", "COMM_TEXT",
            "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
 
@@ -114,6 +115,8 @@ def check_attrs(attrs: dict) -> None:
 
 
 NAME: Attr[str] = Attr("name", str, "an input's feed name or a state's name")
+BATCH_PATH: Attr[str] = Attr("path", str, "where a fed tensor sits in (inputs, labels): "
+                             "inputs.input_ids, labels", shown=True)
 STATE: Attr[StateKind] = Attr("state", StateKind, "what kind of state a STATE op reads")
 SLOTS: Attr[tuple] = Attr("slots", tuple, "what each result of the output op means",
                           element=Slot)

@@ -25,7 +25,7 @@ from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from .attrs import NAME, SLOTS, STATE
+from .attrs import BATCH_PATH, NAME, SLOTS, STATE
 from .core import Op, OpKind, Program, Role, Slot, StateKind, Value
 from .lower_fx import Lowering, value_type
 
@@ -226,6 +226,15 @@ def flatten_batch(inputs: Any, labels: Any) -> tuple[list[torch.Tensor], Callabl
     return [leaves[i] for i in positions], rebuild
 
 
+def batch_paths(inputs: Any, labels: Any) -> list[str]:
+    """Each batch tensor's place in ``(inputs, labels)``, in ``flatten_batch`` order:
+    ``inputs``, ``inputs.input_ids``, ``inputs.0``, ``labels`` (what a strategy's
+    ``batch_dim`` mapping names)."""
+    paths, _ = pytree.tree_flatten_with_path({"inputs": inputs, "labels": labels})
+    return [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            for path, leaf in paths if isinstance(leaf, torch.Tensor)]
+
+
 def _named_state(model: torch.nn.Module):
     params = dict(model.named_parameters())          # tied weights appear once
     buffers = dict(model.named_buffers())
@@ -369,9 +378,10 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
     placeholders: list[Value] = [state_value(n, params[n], StateKind.PARAM) for n in param_names]
     placeholders += [state_value(n, buffers[n], StateKind.BUFFER) for n in buffer_names]
     batch_leaves, _ = flatten_batch(inputs, labels)
-    for i, leaf in enumerate(batch_leaves):
+    for i, (leaf, path) in enumerate(zip(batch_leaves, batch_paths(inputs, labels),
+                                         strict=True)):
         op = Op(OpKind.INPUT, "input", outputs=[Value(value_type(leaf))],
-                attrs={NAME: f"batch/{i}"})
+                attrs={NAME: f"batch/{i}", BATCH_PATH: path})
         placeholders.append(program.add(op).outputs[0])
 
     lowering = Lowering(program, gm, attribute_paths=_attribute_paths(model))

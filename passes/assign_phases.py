@@ -261,12 +261,14 @@ class _Jobs:
             cone.add(op)
             if any(u.producer.kind is OpKind.STATE and u.producer.attrs[STATE] is StateKind.PARAM
                    for u in op.inputs):
+                reader = boundary.attrs.get(FOR_TARGET, "an op")
                 raise PipelineError(
-                    f"{_describe(op)} feeds {boundary.attrs[COMM_TEXT]}: the micro-batches need "
-                    "a value of the whole batch while the pipeline runs (a statistic of the "
-                    "whole batch, like BatchNorm's, or an op that cannot work on a "
-                    "micro-batch's rows), which micro-batching cannot give; use "
-                    "pipeline.micro_batches: 1")
+                    f"{reader} ({boundary.module or 'top level'}) needs the whole batch, "
+                    f"{boundary.attrs[COMM_TEXT]}, of a value {_describe(op)} computes while "
+                    "the pipeline runs: a statistic of the whole batch (like BatchNorm's), an "
+                    "op without a rule, or a reshape that merges the batch dim into a dim "
+                    "before it cannot work on a micro-batch's rows; use pipeline.micro_batches: "
+                    "1, or give the op a rule / keep the batch dim leading")
             homes[op] |= {(s, Phase.PRE_MB) for s, _ in homes[op]}
             todo.extend(op.inputs)
         for op in cone:     # made only for the reduction: not again in the schedule's jobs

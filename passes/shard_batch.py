@@ -1,34 +1,69 @@
-"""Pin the batch: every input and label is ``Shard(0)`` over the data-parallel mesh dim, then
-over a pipeline's micro-batches (dp cuts the global batch, each dp piece is cut in turn)."""
+"""Pin the batch: every input and label is ``Shard(batch dim)`` over the data-parallel mesh
+dim, then over a pipeline's micro-batches (dp cuts the global batch, each dp piece is cut
+in turn). The batch dim is 0 unless the strategy's ``batch_dim`` says otherwise, for all fed
+tensors or per tensor by its path in the batch (``inputs.input_ids``, ``labels``)."""
 from __future__ import annotations
 
 from ..ir import OpKind, Program
-from ..ir.attrs import NAME
+from ..ir.attrs import BATCH_PATH, NAME
 from ..ir.dist import MICRO_BATCH_DIM, DistAttr, Shard
 from ..ir.reason import Reason
 from .context import PassContext
 from .pinning import pin
 
-__all__ = ["shard_batch"]
+__all__ = ["shard_batch", "BatchDimError", "batch_dim_of"]
+
+
+class BatchDimError(ValueError):
+    """A ``batch_dim`` that names no fed tensor, or a dim a fed tensor does not have."""
+
+
+def batch_dim_of(spec: int | dict[str, int], path: str, shape: tuple[int, ...]) -> int:
+    """The batch dim of the fed tensor at ``path``: the longest listed path it is under."""
+    dim = spec if isinstance(spec, int) else 0
+    if isinstance(spec, dict):
+        under = [p for p in spec if path == p or path.startswith(p + ".")]
+        if under:
+            dim = spec[max(under, key=len)]
+    if dim >= len(shape):
+        raise BatchDimError(f"batch_dim {dim} for the fed tensor {path} of shape "
+                            f"{list(shape)}: it has {len(shape)} dims")
+    return dim
+
+
+def _check_paths(spec: int | dict[str, int], paths: list[str]) -> None:
+    if not isinstance(spec, dict):
+        return
+    unknown = [p for p in spec if not any(q == p or q.startswith(p + ".") for q in paths)]
+    if unknown:
+        raise BatchDimError(f"batch_dim names {unknown}, which are not in the batch; its "
+                            f"tensors are {paths}")
 
 
 def shard_batch(program: Program, ctx: PassContext) -> Program:
     mesh, pipeline = ctx.state.mesh, ctx.state.pipeline
     if mesh is None:
         return program
-    dist, why = DistAttr.replicated(mesh), []
+    axes = []          # (mesh dim, why), dp first: it cuts the global batch
     dp = ctx.strategy.data_parallel
     if dp is not None and dp.is_enabled:
-        dist = dist.with_placement(dp.axis, Shard(0))
-        why.append(f"data_parallel.axis {dp.axis}: batch dim 0")
+        axes.append((dp.axis, f"data_parallel.axis {dp.axis}"))
     if pipeline is not None and pipeline.micro_batches > 1:
-        dist = dist.with_placement(MICRO_BATCH_DIM, Shard(0))
-        why.append(f"pipeline: {pipeline.micro_batches} micro-batches of each piece")
-    if not why:
+        axes.append((MICRO_BATCH_DIM, f"pipeline: {pipeline.micro_batches} micro-batches "
+                                      "of each piece"))
+    if not axes:
         return program
-    for op in program.ops_of(OpKind.INPUT):
+    spec = ctx.strategy.batch_dim
+    fed = [op for op in program.ops_of(OpKind.INPUT) if op.attrs[NAME].startswith("batch/")]
+    _check_paths(spec, [op.attrs.get(BATCH_PATH, "") for op in fed])
+    for op in fed:
         value = op.outputs[0]
-        if value.is_tensor and op.attrs[NAME].startswith("batch/") and value.type.shape:
-            if value.dist is None:
-                pin(value, dist, Reason("data_parallel", "; ".join(why)))
+        if not value.is_tensor or not value.type.shape or value.dist is not None:
+            continue
+        dim = batch_dim_of(spec, op.attrs.get(BATCH_PATH, ""), value.type.shape)
+        dist = DistAttr.replicated(mesh)
+        for axis, _ in axes:
+            dist = dist.with_placement(axis, Shard(dim))
+        why = "; ".join(f"{text}: batch dim {dim}" for _, text in axes)
+        pin(value, dist, Reason("data_parallel", why))
     return program

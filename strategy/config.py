@@ -135,7 +135,7 @@ class Strategy(BaseModel):
     def _fits_mesh(self) -> Strategy:
         """All cross-section problems at once, each with the mesh they were checked against."""
         problems = (self._axis_problems() + self._shared_axis_problems()
-                    + self._split_problems())
+                    + self._split_problems() + self._batch_dim_problems())
         if problems:
             raise ValueError(f"strategy does not fit its mesh ({self.describe_mesh()}):\n  - "
                              + "\n  - ".join(problems))
@@ -160,6 +160,23 @@ class Strategy(BaseModel):
                 f"may share an axis"
                 for i, (a, ca) in enumerate(sections) for b, cb in sections[i + 1:]
                 if ca.axis == cb.axis and frozenset({a, b}) not in SHAREABLE_AXES]
+
+    def _batch_dim_problems(self) -> list[str]:
+        dp, pipe = self.data_parallel, self.pipeline
+        if dp is None or pipe is None or 0 in (dp.batch_dim, pipe.batch_dim) \
+                or dp.batch_dim == pipe.batch_dim:
+            return []      # 0 is the default: the other section's value holds
+        return [f"data_parallel.batch_dim {dp.batch_dim} and pipeline.batch_dim "
+                f"{pipe.batch_dim} differ: micro-batches cut each data-parallel piece along "
+                "the same batch dim, so give both the same value (or set one)"]
+
+    @property
+    def batch_dim(self) -> int | dict[str, int]:
+        """The batch dim of the fed tensors (``data_parallel`` or ``pipeline``; 0)."""
+        for section in (self.data_parallel, self.pipeline):
+            if section is not None and section.batch_dim != 0:
+                return section.batch_dim
+        return 0
 
     def _split_problems(self) -> list[str]:
         """An explicit split lists stage boundaries: one fewer than the number of stages."""

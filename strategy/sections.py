@@ -24,6 +24,12 @@ ModulePattern = Annotated[str, Field(strict=True, pattern=r"^\S+$")]
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 StrictBool = Annotated[bool, Field(strict=True)]
 StrictFloat = Annotated[float, Field(strict=True)]
+# The batch dim of every fed tensor (inputs and labels), or per fed tensor by its path in
+# the batch: ``inputs`` / ``inputs.input_ids`` / ``inputs.0`` / ``labels`` (a path names a
+# tensor or everything under it; unlisted tensors use dim 0).
+BatchDim = Annotated[int, Field(strict=True, ge=0)] | dict[
+    Annotated[str, Field(strict=True, pattern=r"^(inputs|labels)(\.[^.\s]+)*$")],
+    Annotated[int, Field(strict=True, ge=0)]]
 
 STRICT = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
@@ -125,6 +131,8 @@ class DataParallelConfig(Section):
     # before the optimizer reads it, so communication overlaps the rest of the backward.
     # 0 keeps one all-reduce per gradient.
     bucket_mb: Annotated[float, Field(ge=0)] = 25.0
+    # the dim of the fed tensors that is the batch, e.g. 1 for [seq, batch, ...] inputs
+    batch_dim: BatchDim = 0
 
 
 class TensorParallelConfig(Section):
@@ -163,6 +171,8 @@ class PipelineConfig(Section):
     micro_batches: PositiveInt = 1
     split: Literal["auto"] | tuple[ModulePattern, ...] = "auto"
     vpp_chunks: PositiveInt = 1
+    # the dim micro-batches cut (as data_parallel.batch_dim; the two must agree)
+    batch_dim: BatchDim = 0
 
     @model_validator(mode="after")
     def _chunks_match_schedule(self) -> PipelineConfig:

@@ -162,8 +162,8 @@ class BatchStatistics(nn.Module):
 
 def test_a_statistic_of_the_whole_batch_mid_forward_is_refused_by_name():
     s = pipeline(1, micro_batches=2)
-    with pytest.raises(PipelineError, match=r"\(fc fwd\) feeds all_reduce\(sum\) over mb.*"
-                       "the micro-batches need a value of the whole batch"):
+    with pytest.raises(PipelineError, match=r"needs the whole batch, all_reduce\(sum\) over mb"
+                       r".* of a value .*\(fc fwd\) computes while the pipeline runs"):
         planned(BatchStatistics(), s)
 
 
