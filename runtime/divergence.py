@@ -37,15 +37,17 @@ class Divergence:
     fed_by: tuple[str, ...]          # the communication that moved its inputs
     max_abs: float
     max_rel: float
+    mesh: str = ""                   # the mesh the placements are over, e.g. mesh[2,2](dp,tp)
 
     def __str__(self) -> str:
         lines = [f"first divergence from one device: {self.op} = {self.target} "
                  f"({self.module or 'top level'}, {self.role}): max abs error "
                  f"{self.max_abs:.3g}, max rel {self.max_rel:.3g}",
+                 f"  on {self.mesh}" if self.mesh else "",
                  "  inputs:  " + "; ".join(self.inputs),
                  "  outputs: " + "; ".join(self.outputs)]
         lines += [f"  fed by:  {text}" for text in self.fed_by]
-        return "\n".join(lines)
+        return "\n".join(line for line in lines if line)
 
 
 class _Stop(Exception):
@@ -117,7 +119,9 @@ class _Reference:
                           op.target.removesuffix(".default"), op.module, op.role.value,
                           tuple(placed(v) for v in op.inputs if v.is_tensor),
                           tuple(placed(v) for v in op.outputs if v.is_tensor), fed_by,
-                          error[0], error[0] / max(error[1], 1e-30))
+                          error[0], error[0] / max(error[1], 1e-30),
+                          next((v.dist.mesh.short() for v in op.outputs
+                                if v.is_tensor and v.dist is not None), ""))
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float] | None:

@@ -67,3 +67,28 @@ def test_the_debug_flag_lets_a_correct_plan_train():
     losses = _engine(", locate_divergence: true").fit(list(zip(x, y)), batch_size=4,
                                                      verbose=0)["loss"]
     assert len(losses) == 1
+
+
+PP_TP = ("mesh: {shape: [2, 2], dim_names: [pp, tp]}\n"
+         "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2}\n"
+         "tensor_parallel: {axis: tp, plan: {fc1: colwise, fc2: rowwise}}\n")
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_locator_checks_pipelined_plans(planted, request):
+    """A pipeline's step (stages, micro-batches over ``mb``, tp inside each stage) is checked
+    op by op too: a correct plan has no divergence, the planted bug (each micro-batch's loss
+    divided by its own row count) is found at its op."""
+    if planted:
+        request.getfixturevalue("wrong_mean")
+    torch.manual_seed(0)
+    model = MegatronMLP()
+    engine = ap.Engine(model, mse, torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=ap.Strategy.from_yaml_str(PP_TP + "debug: {simulate: true}\n"))
+    found = engine.locate_divergence(*_batch())
+    if not planted:
+        assert found is None
+    else:
+        assert found is not None and found.target == "aten.mse_loss"
+        assert found.mesh == "mesh[2,2](tp,mb)" and f"on {found.mesh}" in str(found)
+        assert found.inputs[0].endswith("{R,S(0)}")      # the loss reads its micro-batch
