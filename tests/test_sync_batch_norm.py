@@ -8,7 +8,8 @@ running_var and num_batches_tracked, uneven batch shards included.
 (b) training on the simulator: a BatchNorm1d MLP, a Conv2d+BatchNorm2d CNN, variants
     (3-D input, no affine, no running stats, one module called twice) and Hugging Face's
     ResNetForImageClassification under dp2 and dp4 (batch 6 on dp4: pieces 2, 2, 1, 1),
-    the CNN also under dp2 x tp2 and pp2 x dp2; eval under dp2.
+    the CNN also under dp2 x tp2 and pp2 x dp2; eval under dp2;
+(c) the CNN on two real gloo ranks under torchrun (this file is also the rank's script).
 """
 from __future__ import annotations
 
@@ -24,14 +25,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models_zoo as zoo  # noqa: E402
+from parity import ATOL, RTOL  # noqa: E402  (by name: this file also runs as a script)
 
 import autopar as ap  # noqa: E402
 from autopar.ir import OpKind, Program  # noqa: E402
 from autopar.ir.attrs import DECOMPOSES  # noqa: E402
 from autopar.ir.printer import value_names  # noqa: E402
 from autopar.reshard.comm import RESHARD_STEP  # noqa: E402
-
-from .parity import ATOL, RTOL  # noqa: E402
 
 BN = "aten.native_batch_norm.default"
 BN_BACKWARD = "aten.native_batch_norm_backward.default"
@@ -327,3 +327,46 @@ def test_tensor_parallel_alone_keeps_the_fused_kernels():
     program = _prepare(tp, name="cnn")
     assert [op.target for op in program.ops if op.target == BN] == [BN, BN]
     assert not [op for op in program.ops if "batch_norm" in op.attrs.get(DECOMPOSES, "")]
+
+
+# ----------------------------------------------------------------------------------------
+# (c) real ranks
+# ----------------------------------------------------------------------------------------
+REAL_BATCH, REAL_STEPS = 5, 3     # 3 + 2 rows per rank
+
+
+def test_cnn_on_two_real_ranks_matches_eager(tmp_path):
+    """The buffers' update results are written back on real ranks too (and gathered)."""
+    from multiproc import finish, launch, logs
+    proc = launch(2, tmp_path, __file__, env={"AUTOPAR_TEST_RESULT_DIR": str(tmp_path)})
+    failure = finish(proc, timeout=240)
+    assert not failure, failure + "\n" + logs(tmp_path)
+    torch.manual_seed(0)
+    reference = CNN().train()
+    data = MODELS["cnn"][2](REAL_BATCH * REAL_STEPS)
+    want = _eager(reference, F.cross_entropy, data, REAL_BATCH, REAL_STEPS)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        torch.testing.assert_close(torch.tensor(result["loss"]), torch.tensor(want),
+                                   rtol=RTOL, atol=ATOL)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(result["state"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def _rank_main() -> None:
+    """One rank of the real-rank test: train the CNN under dp2, save losses and state."""
+    torch.manual_seed(0)
+    model = CNN().train()
+    data = MODELS["cnn"][2](REAL_BATCH * REAL_STEPS)
+    strategy = ap.Strategy.from_yaml_str(STRATEGIES["dp2"])
+    with ap.Engine(model, F.cross_entropy, _optimizer(model), strategy=strategy) as engine:
+        losses = engine.fit(data, batch_size=REAL_BATCH, steps_per_epoch=REAL_STEPS,
+                            verbose=0)["loss"]
+        state = engine.state_dict()
+    out = os.environ["AUTOPAR_TEST_RESULT_DIR"]
+    torch.save({"loss": losses, "state": state}, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+
+
+if __name__ == "__main__":
+    _rank_main()
