@@ -298,8 +298,16 @@ FORWARD = [
      ("S(0)", "S(0)", "S(0)", "R"), ["S(0)", "S(0)", "S(0)", "R"], ["S(0)", "S(0)"]),
     ("sdpa_cpu/batch-mask", mk(CPU_SDPA, Q, K, V, attn_mask=T(4, 1, 16, 12)), MESH1,
      ("S(0)", "S(0)", "S(0)", "S(0)"), ["S(0)"] * 4, ["S(0)", "S(0)"]),
+    # grouped-query attention: heads shard when the cut divides the key heads too
     ("sdpa_cpu/gqa-heads-whole", mk(CPU_SDPA, Q, T(4, 2, 12, 32), T(4, 2, 12, 32)), MESH1,
      ("S(1)", "S(1)", "S(1)"), ["R"] * 3, ["R", "R"]),
+    ("sdpa_cpu/gqa-heads", mk(CPU_SDPA, Q, T(4, 4, 12, 32), T(4, 4, 12, 32)), MESH1,
+     ("S(1)", "S(1)", "S(1)"), ["S(1)"] * 3, ["S(1)", "S(1)"]),
+    ("sdpa_cpu/gqa-dp+heads", mk(CPU_SDPA, Q, T(4, 2, 12, 32), T(4, 2, 12, 32)), MESH2,
+     ("S(0),S(1)",) * 3, ["S(0),S(1)"] * 3, ["S(0),S(1)"] * 2),
+    ("sdpa_cpu_backward/gqa-heads", mk(CPU_SDPA_BW, Q, Q, T(4, 4, 12, 32), T(4, 4, 12, 32), Q,
+                                       T(4, 8, 16), 0.0, True), MESH1,
+     ("S(1)",) * 6, ["S(1)"] * 6, ["S(1)"] * 3),
     ("sdpa_cpu_backward/batch", mk(CPU_SDPA_BW, Q, Q, K, V, Q, T(4, 8, 16), 0.0, True), MESH1,
      ("S(0)",) * 6, ["S(0)"] * 6, ["S(0)"] * 3),
     ("sdpa_flash/heads-rng-replicated", FLASH, MESH1, ("S(1)",) * 3, ["S(1)"] * 3,
@@ -444,8 +452,11 @@ def test_every_listed_op_has_a_rule(name):
     assert lookup(Op(OpKind.CALL, target)) is not None, target
 
 
-def test_gqa_key_heads_are_unshardable_not_matched():
-    """With fewer key heads the head letters differ, so a head shard cannot reach k/v."""
+def test_gqa_heads_shard_only_evenly():
+    """With fewer key heads the head letter has two sizes: it shards only where both divide
+    (piece r of the query heads then reads piece r of the key heads)."""
     op = mk(CPU_SDPA, Q, T(4, 2, 12, 32), T(4, 2, 12, 32))
     spec = lookup(op).spec(op)
-    assert spec.inputs[1][1] == "1" and "h" in spec.replicated
+    assert spec.inputs[1][1] == "h" and "h" in spec.even and "h" not in spec.replicated
+    odd = mk(CPU_SDPA, T(4, 6, 16, 32), T(4, 4, 12, 32), T(4, 4, 12, 32))   # 6 % 4: no GQA
+    assert "h" in lookup(odd).spec(odd).replicated

@@ -156,3 +156,19 @@ def test_zoo_architecture_plans_strictly_under_dp2_tp2(arch):
     program = engine.prepare({k: torch.stack([v] * BATCH) for k, v in inputs.items()},
                              torch.stack([labels] * BATCH))
     assert any(op.target.startswith("comm.") for op in program.ops)
+
+
+# Attention that runs as one SDPA kernel (grouped-query or not) keeps its heads sharded;
+# attention written as matmuls of [batch * heads] rows (GPT-2, BERT, T5 eager) still gathers.
+LOCAL_HEADS = ["llama", "mistral", "qwen2", "phi", "gpt_neox", "opt", "vit"]
+
+
+@pytest.mark.parametrize("arch", LOCAL_HEADS)
+def test_zoo_tensor_parallel_moves_no_activations_but_the_row_parallel_sums(arch):
+    data = _data(ZOO[arch])
+    engine = _engine(ZOO[arch], _strategy("tp2", ZOO[arch]))
+    inputs, labels = data[0]
+    program = engine.prepare({k: torch.stack([v] * BATCH) for k, v in inputs.items()},
+                             torch.stack([labels] * BATCH))
+    moved = [op for op in program.ops if op.target in ("comm.all_gather", "comm.all_to_all")]
+    assert not moved, [f"{op.module}: {op.inputs[0].type}" for op in moved]

@@ -4,9 +4,11 @@ cuDNN) and their backward ops.
 Letters: query ``bhle``, key ``bhse``, value ``bhsf``, output ``bhlf``, logsumexp ``bhl``,
 mask/bias broadcast against ``bhls``. Batch and heads shard; sequence and head-dim letters
 stay whole (causal masks and the softmax need whole rows). When key/value carry fewer heads
-than query (grouped-query attention) the head letters stay whole too: a slice of query heads
-would meet the wrong key heads. A dim whose size does not match its letter (a padded
-logsumexp) is unshardable. The backward ops are linear in grad_out.
+than query (grouped-query attention: query head ``i`` reads key head ``i // (H / G)``), the
+heads still shard, but only evenly (an ``even`` letter of sizes H and G): piece ``r`` of
+``n`` of the query heads then reads exactly piece ``r`` of the key heads, so each rank runs
+grouped-query attention on its own heads. A dim whose size does not match its letter (a
+padded logsumexp) is unshardable. The backward ops are linear in grad_out.
 
 RNG state outputs (philox seed/offset) and other bookkeeping tensors carry no batch or head
 dim; they are the same on every rank, not a Partial, so ``AttentionRule`` infers without
@@ -41,9 +43,9 @@ _INPUTS = {"query": "bhle", "key": "bhse", "value": "bhsf", "grad_out": "bhlf",
            "grad_out_": "bhlf", "out": "bhlf", "logsumexp": "bhl1"}
 
 
-def _fit(shape: tuple[int, ...], role: str, sizes: dict[str, int]) -> str:
-    """The role's letters for a tensor of ``shape``; a dim whose size differs is ``1``."""
-    return "".join(c if sizes.get(c) == n else UNSHARDABLE for c, n in zip(role, shape))
+def _fit(shape: tuple[int, ...], role: str, sizes: dict[str, set[int]]) -> str:
+    """The role's letters for a tensor of ``shape``; a dim of another size is ``1``."""
+    return "".join(c if n in sizes.get(c, ()) else UNSHARDABLE for c, n in zip(role, shape))
 
 
 class AttentionRule:
@@ -56,8 +58,10 @@ class AttentionRule:
         a = schema_args(op)
         B, H, L, E = a["query"].type.shape
         _, G, S, _ = a["key"].type.shape
-        sizes = dict(b=B, h=H, l=L, s=S, e=E, f=a["value"].type.shape[-1])
-        whole = {"l", "s", "e", "f"} | ({"h"} if G != H else set())
+        grouped = G != H and G > 0 and H % G == 0
+        sizes = dict(b={B}, h={H, G} if grouped else {H}, l={L}, s={S}, e={E},
+                     f={a["value"].type.shape[-1]})
+        whole = {"l", "s", "e", "f"} | ({"h"} if G != H and not grouped else set())
         mask_shape = (B, H, L, S)
 
         def letter(name: str, t) -> str:
@@ -67,7 +71,6 @@ class AttentionRule:
                 return broadcast_letters(t.type.shape, "bhls", mask_shape)
             return UNSHARDABLE * len(t.type.shape)     # rng state, cumulative lengths
 
-        # GQA: key/value heads are another size, so _fit makes them unshardable.
         ins = input_letters(op, {n: letter(n, v) for n, v in a.items() if is_tensor(v)})
         outs, aux = [], set()
         for i, (v, role) in enumerate(zip(op.outputs, _OUTPUTS[op.target])):
@@ -81,7 +84,8 @@ class AttentionRule:
             else:
                 outs.append(_fit(v.type.shape, role, sizes))
         linear = "each" if op.target.endswith("_backward.default") else "none"
-        spec = Spec(ins, tuple(outs), replicated=whole, linear=linear, linear_inputs={0})
+        spec = Spec(ins, tuple(outs), replicated=whole, even={"h"} if grouped else set(),
+                    linear=linear, linear_inputs={0})
         return spec, frozenset(aux)
 
     def _types(self, op: Op, aux: frozenset[int]):
