@@ -4,9 +4,11 @@ backward op (``op.attrs[STAGE]``).
 The forward is cut, in program order, at the op where each stage begins:
 
 * ``pipeline.split: [blocks.2, ...]`` — the first op of each named module;
-* ``split: auto`` — between layers (the items of the model's ``ModuleList`` such as
-  ``blocks.3``), choosing the cuts that make the costliest stage cheapest, a stage's cost
-  being the FLOPs of its forward ops and of the backward ops that differentiate them;
+* ``split: auto`` — between layers (the items of the model's ``ModuleList`` or
+  ``Sequential`` such as ``blocks.3``; with fewer layers than stages, or none, also between
+  its top-level child modules), choosing the cuts that make the costliest stage cheapest, a
+  stage's cost being the FLOPs of its forward ops and of the backward ops that
+  differentiate them;
 * layers annotated on several meshes (semi-auto) — where the forward first uses the next
   stage's mesh.
 
@@ -146,29 +148,38 @@ def _layer_of(module: str) -> str:
     return ""
 
 
-def _candidates(forward: list[Op]) -> tuple[list[int], list[str]]:
-    """Where a cut may go: the first op of every layer but the first; without layers, of
-    every top-level child module but the first."""
-    for unit in (_layer_of, lambda m: m.split(".")[0] if m else ""):
-        seen: dict[str, int] = {}
-        for i, op in enumerate(forward):
-            name = unit(op.module)
-            if name and name not in seen:
-                seen[name] = i
-        names = list(seen)
-        if len(names) > 1:
-            return [seen[n] for n in names[1:]], names
-    return [], []
+def _starts(forward: list[Op], unit) -> dict[str, int]:
+    """The first forward op of each unit (a layer, a top-level child), by unit name."""
+    seen: dict[str, int] = {}
+    for i, op in enumerate(forward):
+        name = unit(op.module)
+        if name and name not in seen:
+            seen[name] = i
+    return seen
+
+
+def _candidates(forward: list[Op], stages: int) -> tuple[list[int], list[str]]:
+    """Where a cut may go: the first op of every layer but the first; with too few layers
+    for the stages (or none), also of every top-level child module (the embedding, the
+    head, a layer that is not in a list)."""
+    layers = _starts(forward, _layer_of)
+    if len(layers) >= stages:
+        return sorted(layers.values())[1:], list(layers)
+    children = _starts(forward, lambda m: m.split(".")[0] if m else "")
+    units = {**children, **layers}
+    starts = sorted(set(units.values()))
+    return starts[1:], sorted(units, key=units.get)
 
 
 def _balanced_starts(program: Program, forward: list[Op], stages: int) -> list[int]:
     if stages == 1:
         return []
-    candidates, units = _candidates(forward)
+    candidates, units = _candidates(forward, stages)
     if len(candidates) < stages - 1:
         raise StageSplitError(
-            f"pipeline: {stages} stages but the model has {len(units) or 'no'} layers to cut "
-            f"between ({', '.join(units[:12]) or 'no ModuleList items or child modules'}); "
+            f"pipeline: {stages} stages but the model has {len(units) or 'no'} layers and "
+            f"top-level modules to cut between "
+            f"({', '.join(units[:12]) or 'no ModuleList items or child modules'}); "
             "use fewer stages (ranks x vpp_chunks), or list where stages begin in "
             "pipeline.split")
     costs = _forward_costs(program, forward)

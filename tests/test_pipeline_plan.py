@@ -103,9 +103,19 @@ def test_stages_from_annotated_meshes_train_like_eager():
 
 # -- errors before anything runs ----------------------------------------------------------------
 
-def test_more_stages_than_layers_is_refused():
-    with pytest.raises(StageSplitError, match="4 stages but the model has 2 layers"):
-        planned(gpt(2), pipeline(4))
+def test_more_stages_than_layers_cut_at_the_top_level_modules_too():
+    """Two layers for four stages: the embedding, the final norm and the head are cut
+    points too (the model's top-level children), so every stage gets work."""
+    _, program, _ = planned(gpt(2), pipeline(4, micro_batches=4))
+    stages = [stage_of_module(program, m) for m in ("wte", "blocks.0", "blocks.1", "head")]
+    assert set().union(*stages) == {0, 1, 2, 3}
+    assert all(len(s) == 1 for s in stages) and stages == sorted(stages, key=min)
+
+
+def test_more_stages_than_cut_points_is_refused():
+    with pytest.raises(StageSplitError,
+                       match=r"8 stages but the model has \d+ layers and top-level modules"):
+        planned(gpt(2), pipeline(8, micro_batches=8), batch=8)
 
 
 def test_a_split_module_that_does_not_exist_is_refused():
