@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,11 +28,16 @@ from torch.utils import _pytree as pytree
 
 from .attrs import BATCH_PATH, NAME, SLOTS, STATE
 from .core import Op, OpKind, Program, Role, Slot, StateKind, Value
+from .experts import dense_experts
 from .lower_fx import Lowering, value_type
 
 
 class CaptureError(RuntimeError):
     pass
+
+
+class CaptureNote(UserWarning):
+    """What capture changed in how the model computes (never in what it computes)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -271,7 +277,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
     batch_leaves, rebuild_batch = flatten_batch(inputs, labels)
     spec = StepSpec(mode, pytree.tree_structure((inputs, labels)))
     notes = _Annotator(model)
-    layout: dict[str, Any] = {"grads": [], "outputs": 0}
+    layout: dict[str, Any] = {"grads": [], "outputs": 0, "dense_experts": []}
 
     def step(param_values, buffer_values, leaves):
         x, y = rebuild_batch(leaves)
@@ -304,7 +310,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
     was_training = model.training
     model.train(mode == "train")
     try:
-        with notes.tracing():
+        with notes.tracing(), dense_experts(model) as layout["dense_experts"]:
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 [params[n].detach().requires_grad_(params[n].requires_grad) for n in param_names],
                 [buffers[n] for n in buffer_names], _distinct(batch_leaves))
@@ -314,10 +320,49 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
             f"data-dependent Python control flow in module '{module}' ({where}): autopar "
             "captures one static graph of the step, so a Python `if`/`while` on a tensor's "
             "value cannot be traced. Rewrite it with torch.cond / torch.where. "
+            + _moe_hint(model, module) +
             f"Underlying error: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
     finally:
         model.train(was_training)
+    _refuse_value_dependent_shapes(gm, model)
     return gm, spec, param_names, buffer_names, layout
+
+
+def _refuse_value_dependent_shapes(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """make_fx traces ``nonzero`` / boolean-mask indexing with a symbolic size when nothing
+    branches on it; a static plan cannot hold such a value, so name its first op."""
+    for node in gm.graph.nodes:
+        vals = node.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else [vals]
+        if any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape)
+               for v in vals):
+            module = (node.meta.get("custom") or {}).get("module") or "<model>"
+            raise CaptureError(
+                f"{node.target} in module '{module}' makes a tensor whose shape depends on "
+                f"tensor values ({[tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)]}"
+                "): autopar captures one static graph of the step, so every shape must "
+                "follow from the batch's shape. " + _moe_hint(model, module))
+
+
+def _moe_hint(model: torch.nn.Module, path: str) -> str:
+    """What to do when the failing module looks like a mixture of experts (it holds a
+    stack of per-expert weights, or a ModuleList of experts): the routing loop is the
+    usual culprit."""
+    module = dict(model.named_modules()).get("" if path == "<model>" else path)
+    if module is None:
+        return ""
+    stacked = any(p.dim() == 3 for p in module.parameters(recurse=False))
+    listed = any(isinstance(c, torch.nn.ModuleList) and "expert" in n.lower()
+                 for n, c in module.named_children())
+    if not (stacked or listed or "expert" in path.lower()):
+        return ""
+    return ("It looks like a mixture-of-experts dispatch (a loop over the experts that were "
+            "hit): write it densely, with no value-dependent shapes: every expert on every "
+            "token, weighted by a [tokens, experts] matrix that holds each token's routing "
+            "weight for its top-k experts and zeros elsewhere (see autopar.ir.experts."
+            "dense_experts_forward), or decorate the experts class with transformers' "
+            "use_experts_implementation (3-D gate_up_proj/down_proj weights), whose "
+            "modules autopar captures with that dense dispatch itself. ")
 
 
 def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -355,6 +400,7 @@ class Captured:
     spec: StepSpec
     param_names: list[str]
     buffer_names: list[str]
+    notes: list[str] = dataclasses.field(default_factory=list)   # what capture changed
 
 
 def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
@@ -367,6 +413,9 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
     if mode not in ("train", "eval", "predict"):
         raise ValueError(f"unknown capture mode {mode!r}")
     gm, spec, param_names, buffer_names, layout = trace_step(model, loss_fn, inputs, labels, mode)
+    notes = _capture_notes(layout)
+    for note in notes:
+        warnings.warn(note, CaptureNote, stacklevel=2)
     program = Program()
     params, buffers = _named_state(model)
 
@@ -397,4 +446,16 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
         results.append((Slot("output", str(i)), out))
     program.add(Op(OpKind.OUTPUT, "output", args=tuple(v for _, v in results),
                    role=Role.FORWARD, attrs={SLOTS: tuple(s for s, _ in results)}))
-    return Captured(program, spec, param_names, buffer_names)
+    return Captured(program, spec, param_names, buffer_names, notes)
+
+
+def _capture_notes(layout: dict[str, Any]) -> list[str]:
+    paths = layout["dense_experts"]
+    if not paths:
+        return []
+    return [f"captured {len(paths)} mixture-of-experts module(s) ({', '.join(paths)}) with "
+            "autopar's dense dispatch instead of their experts_implementation (eager loop, "
+            "grouped_mm, batched_mm: shapes that depend on the routing): every expert runs on "
+            "every token and each token sums its top-k experts' outputs times their routing "
+            "weights, the same math with static shapes (experts/top_k times the expert "
+            "FLOPs); see autopar.ir.experts"]

@@ -12,6 +12,7 @@ from . import (  # noqa: F401
     optimizer,
     pointwise,
     reduction,
+    scatter,
     softmax,
     view_writes,
     views,
