@@ -31,13 +31,16 @@ like an optimizer's. Other in-place updates of buffers (``num_batches_tracked +=
 made explicit the same way: every rank computes the same replicated update, and an update
 result, unlike a write into a tensor the ranks may share, is applied once.
 
-When: only in training programs where the batch could be sharded, i.e. a data-parallel axis
-of more than one rank or a ``shard_tensor`` that shards something on a multi-rank mesh dim.
-Serial programs keep the fused kernels (bit-identical to eager). Eval keeps them too: with
-running statistics the op is elementwise and its rule already shards the batch. A batch norm
-in reduced precision (its statistics are accumulated in fp32 by the kernel) keeps its fused
-op, and its input is gathered. New ops keep the replaced op's role, module and forward link
-and carry ``decomposes=<op>`` for the dumps.
+When: in training programs of more than one rank. Where the batch could be sharded (a
+data-parallel axis of more than one rank, or a ``shard_tensor`` that shards something on a
+multi-rank mesh dim) batch norm is decomposed as above. Elsewhere (tensor or pipeline
+parallelism alone) and in reduced precision (the kernel accumulates its statistics in fp32;
+its input is then gathered) the fused kernel stays, in its out-of-place form
+``_native_batch_norm_legit_functional`` (bit-identical), so its running statistics are
+update results as well. Serial programs keep the captured kernels (bit-identical to eager);
+eval keeps them too (with running statistics the op is elementwise, its rule shards the
+batch, and nothing is written). New ops keep the replaced op's role, module and forward link
+and decomposed ones carry ``decomposes=<op>`` for the dumps.
 """
 from __future__ import annotations
 
@@ -54,22 +57,28 @@ from .context import PassContext
 _A = "aten."
 _FORWARD = _A + "native_batch_norm.default"
 _BACKWARD = _A + "native_batch_norm_backward.default"
+_FUNCTIONAL = _A + "_native_batch_norm_legit_functional.default"
 _EXACT = (torch.float32, torch.float64)
 
 
 def sync_batch_norm(program: Program, ctx: PassContext) -> Program:
-    if ctx.inputs.mode != "train" or not batch_may_shard(program, ctx):
+    if ctx.inputs.mode != "train" or not _several_ranks(program, ctx):
         return program
+    decompose = batch_may_shard(program, ctx)
     producer_of: dict[Op, Op] = {}     # a replaced forward op -> the op now making its result
     updates: list[tuple[Value, Value]] = []   # (running statistic, its new value), in order
     ops: list[Op] = []
     for op in program.ops:
-        if _rewritable(op, _FORWARD, "training"):
+        if decompose and _rewritable(op, _FORWARD, "training"):
             new, made = _forward(op)
             producer_of[op] = op.outputs[0].producer   # the new op making its output
             updates += made
-        elif _rewritable(op, _BACKWARD, "train"):
+        elif decompose and _rewritable(op, _BACKWARD, "train"):
             new = _backward(op)
+        elif _updates_running_stats(op):
+            new, made = _functional(op)
+            producer_of[op] = new[0]
+            updates += made
         else:
             new = [op]
         ops.extend(new)
@@ -94,6 +103,17 @@ def batch_may_shard(program: Program, ctx: PassContext) -> bool:
                for d in dists for p, n in zip(d.placements, d.mesh.shape))
 
 
+def _several_ranks(program: Program, ctx: PassContext) -> bool:
+    """Whether the program may run on more than one rank (the strategy's mesh, or a
+    ``shard_tensor`` annotation's)."""
+    if ctx.inputs.mesh is not None and ctx.inputs.mesh.size > 1:
+        return True
+    meshes = [d.mesh for d in ctx.inputs.param_annotations.values()]
+    meshes += [decode(op.args[1]).mesh for op in program.ops
+               if op.kind is OpKind.CALL and op.target == ANNOTATE_TARGET]
+    return any(mesh.size > 1 for mesh in meshes)
+
+
 def _rewritable(op: Op, target: str, flag: str) -> bool:
     """Training batch norm over (N, C, *spatial) in fp32/fp64 (reduced precision keeps the
     fused kernel, which accumulates its statistics in fp32) with more than one value per
@@ -104,6 +124,29 @@ def _rewritable(op: Op, target: str, flag: str) -> bool:
     shape = a["input"].type.shape
     return (bool(a[flag]) and len(shape) >= 2 and a["input"].type.dtype in _EXACT
             and math.prod(shape) > shape[1])
+
+
+def _updates_running_stats(op: Op) -> bool:
+    """A fused training batch norm that is kept (the batch is not sharded, or reduced
+    precision) and writes its running statistics in place."""
+    if op.kind is not OpKind.CALL or op.target != _FORWARD:
+        return False
+    a = schema_args(op)
+    return bool(a["training"]) and _tensor(a["running_mean"]) is not None
+
+
+def _functional(op: Op) -> tuple[list[Op], list[tuple[Value, Value]]]:
+    """The same fused kernel in its out-of-place form (bit-identical results): the new
+    running statistics are results, not writes into the buffers."""
+    a = schema_args(op)
+    new_stats = [Value(a[name].type) for name in ("running_mean", "running_var")]
+    args = tuple(a[name] for name in ("input", "weight", "bias", "running_mean",
+                                      "running_var", "training", "momentum", "eps"))
+    new = Op(OpKind.CALL, _FUNCTIONAL, args, {}, list(op.outputs) + new_stats, op.role,
+             op.module, op.forward_op, dict(op.attrs))
+    for i, v in enumerate(new.outputs):
+        v.producer, v.index = new, i
+    return [new], [(a["running_mean"], new_stats[0]), (a["running_var"], new_stats[1])]
 
 
 # -- building ------------------------------------------------------------------------------
@@ -222,7 +265,9 @@ def _explicit_buffer_updates(program: Program, updates: list[tuple[Value, Value]
     write into buffers, rewritten to their out-of-place form. Later readers of a buffer read
     its newest value."""
     names = {op.outputs[0]: op.attrs[NAME] for op in program.states(StateKind.BUFFER)}
-    made_by = {new.producer: (old, new) for old, new in updates}
+    made_by: dict[Op, list[tuple[Value, Value]]] = {}
+    for old, new in updates:
+        made_by.setdefault(new.producer, []).append((old, new))
     latest: dict[Value, Value] = {}     # a buffer -> its newest value
     buffer_of = {v: v for v in names}   # a buffer's value, old or new -> the buffer
     for op in program.ops:
@@ -234,9 +279,9 @@ def _explicit_buffer_updates(program: Program, updates: list[tuple[Value, Value]
         if base is not None and _in_place(op):
             op.target = _out_of_place(op.target)
             latest[base], buffer_of[op.outputs[0]] = op.outputs[0], base
-        if op in made_by:
-            old, new = made_by[op]
-            latest[old], buffer_of[new] = new, old
+        for old, new in made_by.get(op, ()):
+            base = buffer_of.get(old, old)   # a statistic that is no buffer: readers only
+            latest[base], buffer_of[new] = new, base
     program.set_results(program.results() + [(Slot("update", names[v]), latest[v])
                                               for v in names if v in latest])
 

@@ -35,6 +35,7 @@ from autopar.reshard.comm import RESHARD_STEP  # noqa: E402
 
 BN = "aten.native_batch_norm.default"
 BN_BACKWARD = "aten.native_batch_norm_backward.default"
+FUNCTIONAL = "aten._native_batch_norm_legit_functional.default"
 STEPS = 3
 
 
@@ -274,6 +275,17 @@ def _prepare(strategy: str | None, mode: str = "train", name: str = "bn_mlp") ->
     return engine.prepare(x, y, mode=mode)
 
 
+def test_functional_batch_norm_rule_shards_channels_and_keeps_the_batch_whole():
+    """The out-of-place fused kernel's rule is the in-place one's plus the two new running
+    statistics, which follow the channel."""
+    from spmd_util import MESH1, T, forward, make_op
+    op = make_op(FUNCTIONAL, T(4, 8, 5, 5), T(8), T(8), T(8), T(8), True, 0.1, 1e-5)
+    needs, outs = forward(op, MESH1, "S(1)", "S(0)", "S(0)", "S(0)", "S(0)")
+    assert needs == ["S(1)"] + ["S(0)"] * 4 and outs == ["S(1)"] + ["S(0)"] * 4
+    needs, outs = forward(op, MESH1, "S(0)", "R", "R", "R", "R")
+    assert needs[0] == "R" and outs == ["R"] * 5
+
+
 def test_serial_and_eval_programs_keep_the_fused_kernels():
     serial = _prepare(None)
     assert [op.target for op in serial.ops if op.target in (BN, BN_BACKWARD)] == [BN, BN_BACKWARD]
@@ -350,13 +362,24 @@ def test_a_batch_sharded_by_shard_tensor_is_synchronized_too():
     assert len(_statistic_all_reduces(engine.planner.last("train").program)) == 4
 
 
-def test_tensor_parallel_alone_keeps_the_fused_kernels():
-    """tp shards channels, never the batch: nothing to synchronize."""
+def test_tensor_parallel_alone_keeps_the_fused_kernels_out_of_place():
+    """tp shards channels, never the batch: nothing to synchronize, the fused kernel stays,
+    in its out-of-place form so that its running statistics are update results too (written
+    in place, a replicated buffer was updated once per rank on the simulator)."""
     tp = ("mesh: {shape: [2], dim_names: [tp]}\n"
           "tensor_parallel: {axis: tp, plan: {conv1: colwise, conv2: rowwise}}\n")
-    program = _prepare(tp, name="cnn")
-    assert [op.target for op in program.ops if op.target == BN] == [BN, BN]
+    engine, model, reference, _, got, want = _train("bias_free_cnn", tp, 8, make_opt=_adamw)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    _assert_same_state(model, reference)
+    program = engine.planner.last("train").program
+    assert [op.target for op in program.ops if "batch_norm" in op.target
+            and "backward" not in op.target] == [FUNCTIONAL, FUNCTIONAL]
     assert not [op for op in program.ops if "batch_norm" in op.attrs.get(DECOMPOSES, "")]
+    # bn1 follows conv1's output channels, bn2 reads conv2's reduced output whole
+    stats = {slot.name: v.dist.placements for slot, v in program.results()
+             if slot.kind == "update" and "running" in slot.name}
+    assert str(stats["bn1.running_mean"][0]) == "S(0)"
+    assert stats["bn2.running_var"][0].is_replicate()
 
 
 # ----------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def _per_channel(v, c: str) -> str:
     return c if len(shape) == 1 and shape[0] > 0 else UNSHARDABLE * len(shape)
 
 
-@register("aten.native_batch_norm.default")
+@register("aten.native_batch_norm.default",
+          "aten._native_batch_norm_legit_functional.default")   # + new running_mean/var
 def batch_norm(op: Op) -> Spec:
     a = schema_args(op)
     full, c, whole = _batch_norm_letters(op, a["training"])
