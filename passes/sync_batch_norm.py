@@ -53,6 +53,7 @@ from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DECOMPOSES, NAME, Slot, StateKind
 from ..ir.ops import op_info, schema_args
 from .context import PassContext
+from .functionalize_writes import out_of_place
 
 _A = "aten."
 _FORWARD = _A + "native_batch_norm.default"
@@ -204,7 +205,7 @@ def _forward(op: Op) -> tuple[list[Op], list[tuple[Value, Value]]]:
     d = b.like("sub.Tensor", (x, mean), x)
     var = b.mean(b.like("mul.Tensor", (d, d), x))
     invstd = b.like("rsqrt.default", (b.like("add.Tensor", (var, a["eps"]), var),), var)
-    y = b.like("mul.Tensor", (d, invstd), x, None if w or bias else out)
+    y = b.like("mul.Tensor", (d, invstd), x, None if w is not None or bias is not None else out)
     if w is not None:
         y = b.like("mul.Tensor", (y, b.stat(w)), x, None if bias else out)
     if bias is not None:
@@ -277,7 +278,7 @@ def _explicit_buffer_updates(program: Program, updates: list[tuple[Value, Value]
         first = op.args[0] if op.args else None
         base = buffer_of.get(first) if isinstance(first, Value) else None
         if base is not None and _in_place(op):
-            op.target = _out_of_place(op.target)
+            op.target = out_of_place(op.target)
             latest[base], buffer_of[op.outputs[0]] = op.outputs[0], base
         for old, new in made_by.get(op, ()):
             base = buffer_of.get(old, old)   # a statistic that is no buffer: readers only
@@ -287,21 +288,10 @@ def _explicit_buffer_updates(program: Program, updates: list[tuple[Value, Value]
 
 
 def _in_place(op: Op) -> bool:
-    """An ATen op that writes its first argument (``add_``, ``mul_``, ``copy_``...)."""
-    info = op_info(op.target)
-    schema = info.schema
+    """An ATen op that writes its first argument and has an out-of-place form (``add_``,
+    ``mul_``, ``copy_``...)."""
+    schema = op_info(op.target).schema
     if schema is None or not schema.arguments:
         return False
     alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write and _exists(_out_of_place(op.target))
-
-
-def _out_of_place(target: str) -> str:
-    name, _, overload = target.removeprefix(_A).partition(".")
-    return f"{_A}{name.removesuffix('_')}.{overload}"
-
-
-def _exists(target: str) -> bool:
-    name, _, overload = target.removeprefix(_A).partition(".")
-    packet = getattr(torch.ops.aten, name, None)
-    return packet is not None and hasattr(packet, overload)
+    return alias is not None and alias.is_write and out_of_place(op.target) is not None
