@@ -22,6 +22,7 @@ immutable and printable:
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "ProcessMesh", "MICRO_BATCH_DIM", "micro_batch_dim", "Placement", "Shard", "Replicate",
     "Partial", "PARTIAL_OPS", "DistAttr", "local_size", "local_offset", "local_shape",
     "local_offsets", "local_slices", "local_runs", "is_grouped", "chunk_grouped", "cat_grouped",
+    "Groups", "normalize_groups", "group_count", "group_total", "group_widths", "format_groups",
     "shard_tensor_local", "assemble", "format_placements", "parse_placements",
 ]
 
@@ -241,6 +243,58 @@ def micro_batch_dim(mesh: ProcessMesh) -> int | None:
     return names.index(MICRO_BATCH_DIM) if MICRO_BATCH_DIM in names else None
 
 
+# --------------------------------------------------------------------------- group layouts
+
+# A grouped shard's parts: a count of equal parts, or the parts' relative widths.
+Groups = int | tuple[int, ...]
+
+
+def normalize_groups(groups: object, what: str = "Shard") -> Groups:
+    """The one spelling of a group layout: a positive count, or relative widths (two or
+    more positive ints) divided by their gcd; equal widths become their count."""
+    if isinstance(groups, (tuple, list)):
+        widths = tuple(groups)
+        if len(widths) < 2 or any(isinstance(w, bool) or not isinstance(w, int) or w < 1
+                                  for w in widths):
+            raise ValueError(f"{what}, groups={groups!r}: group widths must be two or more "
+                             "positive ints")
+        if len(set(widths)) == 1:
+            return len(widths)
+        g = math.gcd(*widths)
+        return tuple(w // g for w in widths)
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"{what}, groups={groups!r}: groups must be a positive int or a "
+                         "tuple of relative widths")
+    return groups
+
+
+def group_count(groups: Groups) -> int:
+    """How many parts a group layout has."""
+    return groups if isinstance(groups, int) else len(groups)
+
+
+def group_total(groups: Groups) -> int:
+    """The sum of a layout's relative widths: a dim it cuts must be a multiple of it."""
+    return groups if isinstance(groups, int) else sum(groups)
+
+
+def group_widths(groups: Groups, size: int, what: str = "") -> tuple[int, ...]:
+    """The parts' absolute widths in a dim of ``size``; ValueError when they are not whole."""
+    total = group_total(groups)
+    if size % total:
+        layout = f"{total} groups" if isinstance(groups, int) else \
+            f"groups {format_groups(groups)} ({total} units)"
+        raise ValueError(f"{what + ': ' if what else ''}a piece of size {size} does not "
+                         f"divide into {layout}")
+    unit = size // total
+    return (unit,) * groups if isinstance(groups, int) else tuple(w * unit for w in groups)
+
+
+def format_groups(groups: Groups) -> str:
+    """``3`` for equal parts, ``2:1:1`` for relative widths."""
+    return str(groups) if isinstance(groups, int) else ":".join(map(str, groups))
+
+
 # --------------------------------------------------------------------------- placements
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
@@ -267,27 +321,30 @@ class Shard(Placement):
     ``dim`` is non-negative: a negative dim would make ``Shard(-1)`` and ``Shard(1)`` unequal
     spellings of one placement; normalise with ``dim % ndim`` first.
 
-    ``groups=g`` views the dim as ``(g, size/g)`` and chunks the inner part: the rank holds
-    its chunk of each group, groups in order (a fused ``[q; k; v]`` weight cut so that every
-    rank holds its heads of q, k and v). ``Shard(d)`` is ``Shard(d, groups=1)``.
+    ``groups=g`` views the dim as ``g`` consecutive equal parts and chunks each: the rank
+    holds its chunk of each part, parts in order (a fused ``[q; k; v]`` weight cut so that
+    every rank holds its heads of q, k and v). ``groups=(w0, w1, ...)`` gives the parts'
+    relative widths (grouped-query attention's fused ``[q; k; v]`` with fewer kv heads:
+    ``(2, 1, 1)``, text ``S(d)x2:1:1``). Widths are stored divided by their gcd, and equal
+    widths are the count, so one layout has one spelling. ``Shard(d)`` is
+    ``Shard(d, groups=1)``.
     """
 
     dim: int
-    groups: int = 1
+    groups: Groups = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
             raise ValueError(f"Shard(dim={self.dim!r}): dim must be a non-negative int")
-        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
-            raise ValueError(f"Shard(dim={self.dim}, groups={self.groups!r}): groups must be "
-                             "a positive int")
+        object.__setattr__(self, "groups", normalize_groups(self.groups, f"Shard(dim={self.dim})"))
 
     @property
     def grouped(self) -> bool:
-        return self.groups > 1
+        return self.groups != 1
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.groups == 1 else f"S({self.dim})x{self.groups}"
+        groups = "" if self.groups == 1 else f"x{format_groups(self.groups)}"
+        return f"S({self.dim}){groups}"
 
 
 @dataclass(frozen=True)
@@ -317,20 +374,24 @@ def format_placements(placements: Iterable[Placement]) -> str:
     return "{" + ",".join(str(p) for p in placements) + "}"
 
 
-_PLACEMENT_TEXT = re.compile(r"^(?:S\((\d+)\)(?:x(\d+))?|R|P(?:\((sum|avg|max|min)\))?)$")
+_PLACEMENT_TEXT = re.compile(r"^(?:S\((\d+)\)(?:x(\d+(?::\d+)*))?|R|P(?:\((sum|avg|max|min)\))?)$")
 
 
 def parse_placements(text: str) -> tuple[Placement, ...]:
-    """Inverse of ``format_placements``: ``"S(0),R"``, ``"{S(0),P(sum)}"``, ``"S(0)x3"``."""
+    """Inverse of ``format_placements``: ``"S(0),R"``, ``"{S(0),P(sum)}"``, ``"S(0)x3"``,
+    ``"S(1)x2:1:1"``."""
     items = [t.strip() for t in text.strip().strip("{}").split(",") if t.strip()]
     placements: list[Placement] = []
     for item in items:
         match = _PLACEMENT_TEXT.match(item)
         if match is None:
             raise ValueError(f"cannot read placement {item!r} in {text!r}: expected S(<dim>), "
-                             "S(<dim>)x<groups>, R or P(sum|avg|max|min)")
+                             "S(<dim>)x<groups>, S(<dim>)x<w0>:<w1>:..., R or "
+                             "P(sum|avg|max|min)")
         shard, groups, op = match.groups()
-        placements.append(Shard(int(shard), int(groups or 1)) if shard is not None
+        widths = tuple(int(w) for w in (groups or "1").split(":"))
+        placements.append(Shard(int(shard), widths if len(widths) > 1 else widths[0])
+                          if shard is not None
                           else Replicate() if item == "R" else Partial(op or "sum"))
     return tuple(placements)
 
@@ -474,7 +535,7 @@ Runs = tuple[tuple[int, int], ...]
 
 def is_grouped(placements: Iterable[Placement]) -> bool:
     """Whether any placement is a grouped shard (``Shard(d, groups>1)``)."""
-    return any(isinstance(p, Shard) and p.groups > 1 for p in placements)
+    return any(isinstance(p, Shard) and p.grouped for p in placements)
 
 
 def _sub_runs(runs: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -488,24 +549,26 @@ def _sub_runs(runs: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[i
     return out
 
 
-def _cut_runs(runs: Sequence[tuple[int, int]], n: int, index: int, groups: int,
+def _cut_runs(runs: Sequence[tuple[int, int]], n: int, index: int, groups: Groups,
               what: str) -> list[tuple[int, int]]:
-    """Chunk ``index`` of ``n`` of each of the ``groups`` equal groups of the piece ``runs``
-    spell, groups in order; adjacent runs merged."""
-    length = sum(b - a for a, b in runs)
-    if length % groups:
-        raise ValueError(f"{what}: a piece of size {length} does not divide into "
-                         f"{groups} groups")
-    width = length // groups
-    start, size = local_offset(width, n, index), local_size(width, n, index)
+    """Chunk ``index`` of ``n`` of each group of the piece ``runs`` spell (``groups``: a
+    count of equal groups or their relative widths), groups in order; adjacent runs
+    merged."""
     out: list[tuple[int, int]] = []
-    for k in range(groups):
-        for a, b in _sub_runs(runs, k * width + start, k * width + start + size):
+    for lo, width in _group_starts(groups, sum(b - a for a, b in runs), what):
+        start = lo + local_offset(width, n, index)
+        for a, b in _sub_runs(runs, start, start + local_size(width, n, index)):
             if out and out[-1][1] == a:
                 out[-1] = (out[-1][0], b)
             else:
                 out.append((a, b))
     return out
+
+
+def _group_starts(groups: Groups, size: int, what: str = "") -> list[tuple[int, int]]:
+    """(start, width) of each group of a dim of ``size``."""
+    widths = group_widths(groups, size, what)
+    return [(sum(widths[:k]), w) for k, w in enumerate(widths)]
 
 
 def local_runs(global_shape: Sequence[int], mesh: ProcessMesh,
@@ -532,7 +595,7 @@ def _check_groups(shape: Sequence[int], mesh: ProcessMesh,
                   placements: Sequence[Placement]) -> None:
     """Every piece a grouped shard cuts divides into its groups (on every coordinate of
     the mesh dims that shard the same tensor dim)."""
-    for d in {p.dim for p in placements if isinstance(p, Shard) and p.groups > 1}:
+    for d in {p.dim for p in placements if isinstance(p, Shard) and p.grouped}:
         cutting = [m for m, p in enumerate(placements) if p.is_shard(d)]
         for coords in itertools.product(*(range(mesh.shape[m]) for m in cutting)):
             coordinate = [0] * mesh.ndim
@@ -598,32 +661,33 @@ def _fold(pieces: Mapping[Coordinate, torch.Tensor], p: Placement,
     return out
 
 
-def chunk_grouped(x: torch.Tensor, dim: int, n: int, index: int, groups: int = 1
+def chunk_grouped(x: torch.Tensor, dim: int, n: int, index: int, groups: Groups = 1
                   ) -> torch.Tensor:
     """What ``Shard(dim, groups)`` keeps of ``x`` at index ``index`` of ``n``: chunk
-    ``index`` (torch.chunk sizes) of each of the ``groups`` equal parts of ``dim``, in
-    group order. A new tensor, never a view."""
-    size = x.shape[dim]
-    if size % groups:
-        raise ValueError(f"chunk_grouped: dim {dim} of size {size} does not divide into "
-                         f"{groups} groups")
-    width = size // groups
-    start, length = local_offset(width, n, index), local_size(width, n, index)
-    return torch.cat([x.narrow(dim, k * width + start, length) for k in range(groups)], dim)
+    ``index`` (torch.chunk sizes) of each group of ``dim`` (``groups`` equal ones, or
+    groups of the given relative widths), in group order. A new tensor, never a view."""
+    parts = _group_starts(groups, x.shape[dim], f"chunk_grouped: dim {dim}")
+    return torch.cat([x.narrow(dim, lo + local_offset(w, n, index), local_size(w, n, index))
+                      for lo, w in parts], dim)
 
 
-def cat_grouped(pieces: Sequence[torch.Tensor], dim: int, groups: int = 1) -> torch.Tensor:
-    """Inverse of ``chunk_grouped`` over every index: each piece holds ``groups`` equal
-    blocks; the result lays group k's blocks of all pieces, in order, before group k+1."""
+def cat_grouped(pieces: Sequence[torch.Tensor], dim: int, groups: Groups = 1) -> torch.Tensor:
+    """Inverse of ``chunk_grouped`` over every index: piece j holds its chunk of each group
+    (the groups' widths are those of the whole, the sum of the pieces); the result lays
+    group k's blocks of all pieces, in order, before group k+1."""
     if groups == 1:
         return torch.cat(list(pieces), dim=dim)
-    for piece in pieces:
-        if piece.shape[dim] % groups:
-            raise ValueError(f"cat_grouped: a piece of size {piece.shape[dim]} along dim "
-                             f"{dim} does not hold {groups} equal blocks")
-    blocks = [piece.split(piece.shape[dim] // groups, dim=dim) if piece.shape[dim] else
-              (piece,) * groups for piece in pieces]
-    return torch.cat([b[k] for k in range(groups) for b in blocks], dim=dim)
+    n = len(pieces)
+    widths = group_widths(groups, sum(p.shape[dim] for p in pieces), f"cat_grouped: dim {dim}")
+    blocks = []
+    for j, piece in enumerate(pieces):
+        sizes = [local_size(w, n, j) for w in widths]
+        if sum(sizes) != piece.shape[dim]:
+            raise ValueError(f"cat_grouped: piece {j} of {n} has size {piece.shape[dim]} along "
+                             f"dim {dim}, not its chunks {sizes} of groups "
+                             f"{format_groups(groups)}")
+        blocks.append(piece.split(sizes, dim=dim))
+    return torch.cat([b[k] for k in range(len(widths)) for b in blocks], dim=dim)
 
 
 def assemble(pieces: Mapping[Sequence[int], torch.Tensor], global_shape: Sequence[int],

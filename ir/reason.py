@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .dist import Groups, format_groups
+
 if TYPE_CHECKING:
     from .core import Op, Value
 
@@ -25,10 +27,11 @@ class Option:
 
     kind: str          # "shard" | "partial" | "replicate"
     arg: str = ""      # the letter, or the partial op
-    groups: int = 1    # a shard's groups (Shard(d, groups))
+    groups: Groups = 1    # a shard's groups (Shard(d, groups))
 
     def __str__(self) -> str:
-        shard = f"shard '{self.arg}'" + (f" x{self.groups}" if self.groups > 1 else "")
+        shard = f"shard '{self.arg}'" + (f" x{format_groups(self.groups)}"
+                                         if self.groups != 1 else "")
         return {"shard": shard, "partial": f"P({self.arg})"}.get(self.kind, "R")
 
 

@@ -19,13 +19,25 @@ An explicit ``shard_tensor`` on a parameter wins over the plan.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 
 from ..ir import Op, OpKind, Program, StateKind, Value
 from ..ir.attrs import NAME
-from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
+from ..ir.dist import (
+    DistAttr,
+    Groups,
+    Partial,
+    Placement,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    format_groups,
+    normalize_groups,
+)
 from ..ir.ops import schema_args
 from ..ir.reason import Reason
 from ..spmd import lookup
+from ..spmd.dim_transforms import view_groups
 from ..spmd.registry import tensor_inputs
 from ..spmd.spec import UNSHARDABLE
 from .context import PassContext
@@ -46,12 +58,11 @@ def tensor_parallel_plan(program: Program, ctx: PassContext) -> Program:
         for name, value in matched.items():
             if value.dist is not None:
                 continue   # an explicit shard_tensor wins over the plan
-            dim, groups = _plan_dim(value, style, axis, mesh, users, name, pattern)
+            dim, groups, how = _plan_dim(value, style, axis, mesh, users, name, pattern)
             placement = Replicate() if dim is None else Shard(dim, groups)
             dist = DistAttr.replicated(mesh).with_placement(axis, placement)
             what = ("replicated" if dim is None else f"dim {dim} sharded" + (
-                f" in {groups} groups (its output is split in {groups} equal pieces)"
-                if groups > 1 else ""))
+                f" in {format_groups(groups)} groups ({how})" if groups != 1 else ""))
             pin(value, dist, Reason("plan", f"tensor_parallel.plan {pattern!r}: {style}, "
                                             f"{what} on {tp.axis}"))
     return program
@@ -76,8 +87,9 @@ def plan_entries(plan: dict[str, str], params: dict[str, Value]
 
 def _plan_dim(value: Value, style: str, axis: int, mesh: ProcessMesh,
               users: dict[Value, list[Op]], name: str, pattern: str
-              ) -> tuple[int | None, int]:
-    """(the weight dim the style shards or None: replicated, its groups)."""
+              ) -> tuple[int | None, Groups, str]:
+    """(the weight dim the style shards or None: replicated, its groups, how the program
+    cuts its output into the groups)."""
     tried = []
     for dim in range(len(value.type.shape)):
         dist = DistAttr.replicated(mesh).with_placement(axis, Shard(dim))
@@ -90,11 +102,13 @@ def _plan_dim(value: Value, style: str, axis: int, mesh: ProcessMesh,
             break
         tried.append(f"dim {dim} -> {consumer.target} output {placed}")
         if style == "colwise" and isinstance(placed, Shard):
-            return dim, _fused_pieces(consumer, placed, axis, mesh, users)
+            fused = _Fused(axis, mesh, users, f"tensor_parallel.plan {pattern!r} ({style}) "
+                                              f"on {name!r}")
+            return (dim, *fused.groups(consumer, placed))
         if style in ("rowwise", "vocab") and isinstance(placed, Partial):
-            return dim, 1
+            return dim, 1, ""
     if style == "rowwise" and len(value.type.shape) == 1:
-        return None, 1   # a row-parallel bias is added once, after the reduction: replicated
+        return None, 1, ""  # a row-parallel bias is added once, after the reduction
     raise AnnotationError(
         f"tensor_parallel.plan {pattern!r}: cannot apply {style} to parameter {name!r} "
         f"{list(value.type.shape)}: no dim gives a "
@@ -126,32 +140,139 @@ def _probe(value: Value, dist: DistAttr, users: dict[Value, list[Op]]
 
 
 _SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default")
+_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+_TAKE_APART = ("aten.unbind.int", "aten.select.int", *_SPLITS)
 
 
-def _fused_pieces(consumer: Op, placed: Shard, axis: int, mesh: ProcessMesh,
-                  users: dict[Value, list[Op]]) -> int:
-    """k when the colwise op's output, followed through single-input ops, is split along
-    its sharded dim into k > 1 equal pieces (a fused qkv projection); else 1. Only the
-    first forward use is followed, as the style probe does."""
-    value = consumer.outputs[0]
-    dist = DistAttr.replicated(mesh).with_placement(axis, placed)
-    while True:
-        op = next((u for u in users.get(value, ()) if u.kind is OpKind.CALL
-                   and u.role.value == "fwd"), None)
-        rule = lookup(op) if op is not None else None
-        if rule is None or len(tensor_inputs(op)) != 1:
-            return 1
-        shard = dist.placements[axis]
-        if op.target in _SPLITS:
-            d = _dim_arg(op, len(value.type.shape))
-            pieces = {o.type.shape[d] for o in op.outputs}
-            return (len(op.outputs) if isinstance(shard, Shard) and shard.dim == d
-                    and len(op.outputs) > 1 and len(pieces) == 1 else 1)
-        if len(op.outputs) != 1:
-            return 1
-        value, dist = op.outputs[0], rule.forward(op, [dist], mesh).outputs[0]
-        if not dist.placements[axis].is_shard():
-            return 1
+class _Fused:
+    """Follows a colwise op's output to how the program cuts it into pieces (module
+    docstring); ``where`` names the plan entry and parameter for errors."""
+
+    def __init__(self, axis: int, mesh: ProcessMesh, users: dict[Value, list[Op]], where: str):
+        self.axis, self.mesh, self.users, self.where = axis, mesh, users, where
+
+    def _uses(self, value: Value) -> list[Op]:
+        return [u for u in self.users.get(value, ()) if u.kind is OpKind.CALL
+                and u.role.value == "fwd"]
+
+    def groups(self, consumer: Op, placed: Shard) -> tuple[Groups, str]:
+        """(the weight's groups, how the output is cut) for the colwise op ``consumer``
+        whose output dim ``placed`` is sharded: 1 when nothing cuts it into pieces."""
+        value = consumer.outputs[0]
+        dist = DistAttr.replicated(self.mesh).with_placement(self.axis, placed)
+        while True:
+            uses, d = self._uses(value), dist.placements[self.axis].dim
+            found = self._slices(value, uses, d) or (uses and self._cut(uses[0], value, d))
+            if found:
+                return found
+            op = uses[0] if uses else None
+            rule = lookup(op) if op is not None else None
+            if rule is None or len(tensor_inputs(op)) != 1 or len(op.outputs) != 1:
+                return 1, ""
+            value, dist = op.outputs[0], rule.forward(op, [dist], self.mesh).outputs[0]
+            if not dist.placements[self.axis].is_shard():
+                return 1, ""
+
+    def _slices(self, value: Value, uses: list[Op], d: int) -> tuple[Groups, str] | None:
+        """Step-1 slices along ``d`` that are the value's only uses and tile it (Phi-3's
+        ``qkv[..., :q]``, ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``): groups of their widths."""
+        size = value.type.shape[d]
+        spans = []
+        for op in uses:
+            a = schema_args(op) if op.target == "aten.slice.Tensor" else None
+            if a is None or a["dim"] % len(value.type.shape) != d or (a["step"] or 1) != 1:
+                return None
+            start = a["start"] or 0
+            start = min(max(start + size if start < 0 else start, 0), size)
+            spans.append((start, op.outputs[0].type.shape[d], op))
+        spans.sort(key=lambda span: span[0])
+        if len(spans) < 2 or [lo for lo, _, _ in spans] != list(
+                itertools.accumulate([w for _, w, _ in spans[:-1]], initial=0)) or \
+                sum(w for _, w, _ in spans) != size or any(w == 0 for _, w, _ in spans):
+            return None
+        for _, _, op in spans:
+            self._check_heads(op.outputs[0], d)
+        widths = tuple(w for _, w, _ in spans)
+        return normalize_groups(widths), \
+            f"its output is sliced into pieces of {'/'.join(map(str, widths))}"
+
+    def _cut(self, op: Op, value: Value, d: int) -> tuple[Groups, str] | None:
+        if op.target in _SPLITS and schema_args(op)["dim"] % len(value.type.shape) == d \
+                and len(op.outputs) > 1:
+            widths = tuple(o.type.shape[d] for o in op.outputs)
+            if 0 in widths:
+                return None
+            for piece in op.outputs:
+                self._check_heads(piece, d)
+            groups = normalize_groups(widths)
+            equal = "equal " if isinstance(groups, int) else ""
+            return groups, f"its output is split in {len(widths)} {equal}pieces"
+        if op.target in _VIEWS:
+            return self._view_groups(op, value, d)
+        return None
+
+    def _view_groups(self, op: Op, value: Value, d: int) -> tuple[Groups, str] | None:
+        """A reshape cutting ``d`` into ``(g, heads, ...)`` whose leading dim the program
+        then takes apart (timm's ``qkv.reshape(B, N, 3, H, hd)...unbind(0)``): g groups."""
+        src, dst = value.type.shape, op.outputs[0].type.shape
+        ins, outs = next(g for g in view_groups(src, dst) if d in g[0])
+        if ins != (d,) or len(outs) < 2 or dst[outs[0]] < 2 or \
+                not self._taken_apart(op.outputs[0], outs[0]):
+            return None
+        n = self.mesh.shape[self.axis]
+        if dst[outs[1]] % n:
+            grouped = DistAttr.replicated(self.mesh).with_placement(
+                self.axis, Shard(d, dst[outs[0]]))
+            self._refuse(op, dst[outs[1]], f"{dst[outs[0]]} groups of ", grouped)
+        return dst[outs[0]], (f"its output is viewed as {dst[outs[0]]} groups of heads "
+                              f"({op.target}) and taken apart")
+
+    def _taken_apart(self, value: Value, dim: int) -> bool:
+        """Whether dim ``dim`` of ``value``, followed through single-input ops, is unbound,
+        selected or split along (it holds q, k and v, not heads)."""
+        dist = DistAttr.replicated(self.mesh).with_placement(self.axis, Shard(dim))
+        while (uses := self._uses(value)):
+            op, d = uses[0], dist.placements[self.axis].dim
+            if op.target in _TAKE_APART:
+                return schema_args(op)["dim"] % len(value.type.shape) == d
+            rule = lookup(op)
+            if rule is None or len(tensor_inputs(op)) != 1 or len(op.outputs) != 1:
+                return False
+            value, dist = op.outputs[0], rule.forward(op, [dist], self.mesh).outputs[0]
+            if not dist.placements[self.axis].is_shard():
+                return False
+        return False
+
+    def _check_heads(self, piece: Value, d: int) -> None:
+        """A piece followed through single-input ops keeps its shard up to the op that
+        uses it with something else; a reshape into heads that do not divide over the tp
+        mesh dim would lose it (attention on gathered heads): refused by name."""
+        dist = DistAttr.replicated(self.mesh).with_placement(self.axis, Shard(d))
+        value = piece
+        while (uses := self._uses(value)):
+            op = uses[0]
+            rule = lookup(op)
+            if rule is None or len(tensor_inputs(op)) != 1 or len(op.outputs) != 1:
+                return
+            before, shard = dist, dist.placements[self.axis]
+            dist = rule.forward(op, [dist], self.mesh).outputs[0]
+            if not dist.placements[self.axis].is_shard():
+                if op.target in _VIEWS:
+                    src, dst = value.type.shape, op.outputs[0].type.shape
+                    ins, outs = next(g for g in view_groups(src, dst) if shard.dim in g[0])
+                    if ins == (shard.dim,) and len(outs) >= 2:
+                        self._refuse(op, dst[outs[0]], "", before)
+                return
+            value = op.outputs[0]
+
+    def _refuse(self, op: Op, heads: int, what: str, placed: DistAttr) -> None:
+        n, name = self.mesh.shape[self.axis], self.mesh.dim_names[self.axis]
+        raise AnnotationError(
+            f"{self.where}: {op.target} ({op.module or 'top level'}) views the fused "
+            f"projection's output {list(op.inputs[0].type.shape)}, placed {placed}, as "
+            f"{what}{heads} heads {list(op.outputs[0].type.shape)}: {heads} heads do not "
+            f"divide over mesh dim {name!r} of size {n} of {self.mesh}, so a rank would not "
+            "hold whole heads of q, k and v; use a tp size that divides every head count")
 
 
 def _dim_arg(op: Op, ndim: int) -> int:

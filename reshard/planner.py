@@ -103,7 +103,7 @@ def step_is_valid(step: Step, shape: Sequence[int], mesh: ProcessMesh,
         return False
     if isinstance(step, AllToAll):
         return _splits_evenly(shape, mesh, state, d, (step.from_dim, step.to_dim))
-    if getattr(step, "groups", 1) > 1 and isinstance(step, (ReduceScatter, Slice)):
+    if getattr(step, "groups", 1) != 1 and isinstance(step, (ReduceScatter, Slice)):
         return _groups_divide(shape, mesh, step.advance(state))
     return True
 

@@ -11,9 +11,10 @@ torch.chunk returns fewer chunks):
 * all_gather(t):           cat(group pieces in group order, dim=t)
 * slice(t):                chunk(own piece, t, i)
 
-With ``g`` groups (a grouped shard, ``S(t)xg``) chunk and cat work group by group
-(``ir.dist.chunk_grouped`` / ``cat_grouped``): chunk i of each of the g equal parts of dim
-t, in group order; all_gather puts every rank's block of group k before group k+1.
+With ``g`` groups (a grouped shard, ``S(t)xg``, or ``S(t)x2:1:1``: groups of relative
+widths 2, 1, 1) chunk and cat work group by group (``ir.dist.chunk_grouped`` /
+``cat_grouped``): chunk i of each group of dim t, in group order; all_gather puts every
+rank's block of group k before group k+1.
 
 * all_to_all(f -> t):      chunk(cat(group pieces, dim=f), t, i)  — what a real all_to_all
                            delivers when the blocks split evenly (the planner ensures it)
@@ -72,7 +73,7 @@ def _all_reduce(s: AllReduce, i: int, n: int, group: list[torch.Tensor]) -> torc
 
 def _reduce_scatter(s: ReduceScatter, i: int, n: int,
                     group: list[torch.Tensor]) -> torch.Tensor:
-    if s.groups > 1:
+    if s.groups != 1:
         return chunk_grouped(_reduce(group, s.op), s.tensor_dim, n, i, s.groups)
     return _chunk(_reduce(group, s.op), s.tensor_dim, n, i)
 
@@ -82,7 +83,7 @@ def _all_gather(s: AllGather, i: int, n: int, group: list[torch.Tensor]) -> torc
 
 
 def _slice(s: Slice, i: int, n: int, group: list[torch.Tensor]) -> torch.Tensor:
-    if s.groups > 1:
+    if s.groups != 1:
         return chunk_grouped(group[i], s.tensor_dim, n, i, s.groups)
     return _chunk(group[i], s.tensor_dim, n, i)
 

@@ -16,7 +16,8 @@ real collectives.
 | MakePartial(d, op)         | R -> P(op) (sum: index 0 keeps the value, others zeros) |
 
 S -> P and P(x) -> P(y) have no step of their own: they go through R, as does any
-S -> S where either side is a grouped shard (``g`` > 1: ``Shard(t, groups=g)``).
+S -> S where either side is a grouped shard (``g`` != 1: ``Shard(t, groups=g)``, ``g`` a
+count of equal groups or their relative widths, ``(2, 1, 1)``: text ``2:1:1 groups``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,16 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
-from ..ir.dist import Partial, Placement, ProcessMesh, Replicate, Shard, local_shape
+from ..ir.dist import (
+    Groups,
+    Partial,
+    Placement,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    format_groups,
+    local_shape,
+)
 from .cost import reshard_bytes
 
 __all__ = ["Step", "AllReduce", "ReduceScatter", "AllGather", "Slice", "AllToAll",
@@ -41,8 +51,8 @@ def parent_shape(shape: Sequence[int], mesh: ProcessMesh, placements: Sequence[P
     return local_shape(shape, mesh, rest, coord)
 
 
-def _groups_text(groups: int) -> str:
-    return "" if groups == 1 else f", {groups} groups"
+def _groups_text(groups: Groups) -> str:
+    return "" if groups == 1 else f", {format_groups(groups)} groups"
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,7 @@ class AllReduce(Step):
 class ReduceScatter(Step):
     tensor_dim: int = 0
     op: str = "sum"
-    groups: int = 1
+    groups: Groups = 1
     kind: ClassVar[str] = "reduce_scatter"
 
     @property
@@ -123,7 +133,7 @@ class ReduceScatter(Step):
 @dataclass(frozen=True)
 class AllGather(Step):
     tensor_dim: int = 0
-    groups: int = 1
+    groups: Groups = 1
     kind: ClassVar[str] = "all_gather"
 
     @property
@@ -141,7 +151,7 @@ class AllGather(Step):
 @dataclass(frozen=True)
 class Slice(Step):
     tensor_dim: int = 0
-    groups: int = 1
+    groups: Groups = 1
     kind: ClassVar[str] = "slice"
 
     @property

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..ir.dist import cat_grouped, chunk_grouped, local_offset, local_size
+from ..ir.dist import cat_grouped, chunk_grouped, group_widths, local_offset, local_size
 from ..lower.executable import BucketStart, BucketWait, StepComm
 from ..reshard.steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
 from .process_groups import MeshAxisGroup, MeshGroups
@@ -96,7 +96,7 @@ def _stack_blocks(blocks: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collective:
-    if step.groups > 1:
+    if step.groups != 1:
         return _reduce_scatter_grouped(step, axis, shapes)
     t, n, i = step.tensor_dim, axis.size, axis.index
     parts = _chunks(shapes[i][t], n)
@@ -118,8 +118,9 @@ def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collect
 
 def _reduce_scatter_grouped(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collective:
     t, n, i, g = step.tensor_dim, axis.size, axis.index, step.groups
-    width = g * local_size(shapes[i][t] // g, n, 0)       # the largest member's piece
-    mine = g * local_size(shapes[i][t] // g, n, i)
+    widths = group_widths(g, shapes[i][t])
+    width = sum(local_size(w, n, 0) for w in widths)      # the largest member's piece
+    mine = sum(local_size(w, n, i) for w in widths)
     op, group, order = REDUCE_OPS[step.op], axis.group, axis.order
 
     def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +154,7 @@ def _all_gather(step: AllGather, axis: MeshAxisGroup, shapes) -> Collective:
 
 def _slice(step: Slice, axis: MeshAxisGroup, shapes) -> Collective:
     t, n, i = step.tensor_dim, axis.size, axis.index
-    if step.groups > 1:
+    if step.groups != 1:
         groups = step.groups
         return lambda x: chunk_grouped(x, t, n, i, groups)
     offset, length = _chunks(shapes[i][t], n)[i]

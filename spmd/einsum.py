@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from ..ir.core import TensorType
-from ..ir.dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
+from ..ir.dist import (
+    DistAttr,
+    Groups,
+    Partial,
+    Placement,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    group_total,
+)
 from ..ir.reason import REPLICATE, MeshDimChoice, Option
 from ..reshard.cost import reshard_bytes
 from .spec import UNSHARDABLE, Spec
@@ -84,14 +93,14 @@ class _Inference:
             return all(n % cut == 0 for n in self.all_sizes(letter))
         return True
 
-    def groupable(self, letter: str, groups: int) -> bool:
+    def groupable(self, letter: str, groups: Groups) -> bool:
         """Whether a shard of ``letter`` may keep ``groups``: one size everywhere, divisible
-        by the groups, not a reshape letter, and not cut by another mesh dim."""
+        into the groups, not a reshape letter, and not cut by another mesh dim."""
         if groups == 1:
             return True
         sizes = set(self.all_sizes(letter))
         return (letter not in self.spec.even and not self.assigned.get(letter)
-                and len(sizes) == 1 and sizes.pop() % groups == 0)
+                and len(sizes) == 1 and sizes.pop() % group_total(groups) == 0)
 
     def all_sizes(self, letter: str) -> list[int]:
         return [n for letters, t in zip((*self.spec.inputs, *self.spec.outputs),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...ir.core import Op
+from ...ir.dist import Shard, local_runs
 from ...ir.ops import schema_args
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
@@ -45,7 +46,7 @@ AS_RESHAPE = {"aten.view.default": "aten.reshape.default",
               "aten._unsafe_view.default": "aten.reshape.default"}
 
 
-@register_local_form(*SHAPE_ARGS)
+@register_local_form(*(t for t in SHAPE_ARGS if t != "aten.slice_backward.default"))
 def _shape_arg(op: Op, ctx: LocalContext) -> LocalCall | None:
     """A shape argument is the global output shape; a rank makes its piece's shape. Only
     sharded outputs change (a Partial's terms have the global shape). Views become
@@ -82,6 +83,54 @@ def _split(op: Op, ctx: LocalContext) -> LocalCall | None:
     sizes = [ctx.out_shape(op, i)[d] for i in range(len(op.outputs))]
     return LocalCall("aten.split_with_sizes.default", (op.args[0], sizes, d), {},
                      "split into the local pieces")
+
+
+def _local_position(runs, index: int) -> int:
+    """How many of the piece's indices (its global ``runs``, in order) lie below ``index``:
+    where a global position falls in the piece."""
+    return sum(max(0, min(b, index) - a) for a, b in runs)
+
+
+def _grouped_dim(placements, d: int) -> bool:
+    return any(isinstance(p, Shard) and p.dim == d and p.grouped for p in placements)
+
+
+@register_local_form("aten.slice.Tensor")
+def _slice(op: Op, ctx: LocalContext) -> LocalCall | None:
+    """A slice of whole groups of a grouped shard (spmd/rules/views.py) is the slice of the
+    rank's blocks of those groups: global bounds become positions in the piece."""
+    value = [v for v in op.inputs if v.is_tensor][0]
+    a = schema_args(op)
+    d = a["dim"] % len(value.type.shape)
+    if not _grouped_dim(ctx.needs[0].placements, d):
+        return None
+    size = value.type.shape[d]
+    start = a["start"] or 0
+    start = min(max(start + size if start < 0 else start, 0), size)
+    runs = local_runs(value.type.shape, ctx.mesh, ctx.needs[0].placements, ctx.coordinate)[d]
+    end = start + op.outputs[0].type.shape[d]
+    return LocalCall(op.target, (op.args[0], d, _local_position(runs, start),
+                                 _local_position(runs, end), 1), {},
+                     "slice of the local blocks of whole groups")
+
+
+@register_local_form("aten.slice_backward.default")
+def _slice_backward(op: Op, ctx: LocalContext) -> LocalCall | None:
+    """Local input sizes (a shape argument); into a grouped shard (the gradient of a slice
+    of whole groups) the bounds become positions in the rank's piece too."""
+    a = schema_args(op)
+    shape = op.outputs[0].type.shape
+    d = a["dim"] % len(shape)
+    if not _grouped_dim(ctx.out_placements(0), d):
+        return _shape_arg(op, ctx)
+    size = shape[d]
+    start = a["start"] or 0
+    start = min(max(start + size if start < 0 else start, 0), size)
+    runs = local_runs(shape, ctx.mesh, ctx.out_placements(0), ctx.coordinate)[d]
+    end = start + [v for v in op.inputs if v.is_tensor][0].type.shape[d]
+    return LocalCall(op.target, (op.args[0], list(ctx.out_shape(op, 0)), d,
+                                 _local_position(runs, start), _local_position(runs, end), 1),
+                     {}, "gradient of a slice into the local blocks of its groups")
 
 
 # ----------------------------------------------------------------------------------------

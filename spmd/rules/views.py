@@ -21,11 +21,20 @@ unsqueeze/squeeze must still line up with the global one.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from ...ir.core import Op
-from ...ir.dist import DistAttr, ProcessMesh, Replicate, Shard
+from ...ir.dist import (
+    DistAttr,
+    Groups,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    group_widths,
+    normalize_groups,
+)
 from ..dim_transforms import MOVE_PARTIALS, view_groups, view_spec
 from ..einsum import Decision, MeshDimChoice, Option, infer_forward, infer_reverse
 from ..registry import describe, output_types, register, tensor_inputs
@@ -197,7 +206,6 @@ def stack(op: Op) -> Spec:
     return _move([a] * len(tensor_inputs(op)), [_insert(a, d)])
 
 
-@register("aten.slice.Tensor")
 def slice_(op: Op) -> Spec:
     a = letters(len(_shape(op)))
     d = _dim(_param(op, 1, "dim", 0), len(a))
@@ -207,7 +215,6 @@ def slice_(op: Op) -> Spec:
     return _move([a], [a], [] if full else [a[d]])
 
 
-@register("aten.slice_backward.default")
 def slice_backward(op: Op) -> Spec:
     a = letters(len(_shape(op)))
     d = _dim(_param(op, 2, "dim"), len(a))
@@ -313,18 +320,41 @@ def _split_dim(op: Op) -> int:
 
 
 def _split_groups(op: Op, shard: Shard, index: int | None):
-    """The input's groups are whole in every piece: piece j gets the groups it covers. From
-    an output's shard (``index`` None, reverse) the group width is that piece's."""
+    """The input's groups are whole in every piece: piece j gets the groups it covers
+    (equal or not). From an output's shard (``index`` None, reverse) the group width is
+    that piece's, and only equal groups can be inferred."""
     d = _split_dim(op)
     pieces = [o.type.shape[d] for o in op.outputs]
     if index is not None:
-        width = _shape(op)[d] // shard.groups
-    else:
-        first = next(o for o in op.outputs if o.is_tensor)
-        width = first.type.shape[d] // shard.groups
+        covered = _cover(shard.groups, _shape(op)[d], pieces)
+        return None if covered is None else ([shard.groups], covered)
+    if not isinstance(shard.groups, int):
+        return None
+    first = next(o for o in op.outputs if o.is_tensor)
+    width = first.type.shape[d] // shard.groups
     groups = _groups_of(pieces, width)
     total = _groups_of([_shape(op)[d]], width)
     return None if groups is None or total is None else (total, groups)
+
+
+def _cover(groups: Groups, size: int, pieces: Sequence[int], start: int = 0
+           ) -> list[Groups] | None:
+    """The groups each of the consecutive ``pieces`` (from ``start``) of a dim of ``size``
+    cut by ``groups`` covers, or None where a piece does not begin and end on group
+    boundaries."""
+    try:
+        widths = group_widths(groups, size)
+    except ValueError:
+        return None
+    bounds = list(itertools.accumulate(widths, initial=0))
+    out, lo = [], start
+    for n in pieces:
+        if lo not in bounds or lo + n not in bounds or n == 0:
+            return None
+        a, b = bounds.index(lo), bounds.index(lo + n)
+        out.append(normalize_groups(widths[a:b]) if b - a > 1 else 1)
+        lo += n
+    return out
 
 
 def _cat_dim(op: Op) -> int:
@@ -344,8 +374,55 @@ def _cat_groups(op: Op, shard: Shard, index: int | None):
     return None if groups is None else (groups, [sum(groups)])
 
 
+def _slice_dim(op: Op) -> int:
+    return _dim(_param(op, 1, "dim", 0), len(_shape(op)))
+
+
+def _slice_start(op: Op, size: int) -> int | None:
+    """Where a step-1 slice starts in a dim of ``size`` (None for another step)."""
+    if _param(op, 4, "step", 1) != 1:
+        return None
+    start = _param(op, 2, "start", 0)
+    return min(max(start + size if start < 0 else start, 0), size)
+
+
+def _slice_groups(op: Op, shard: Shard, index: int | None):
+    """A step-1 slice of whole groups (the q, k or v columns of a fused projection) keeps
+    the groups it covers. Only forward: a piece's shard says nothing of the other groups."""
+    d = _slice_dim(op)
+    start = _slice_start(op, _shape(op)[d])
+    if index is None or start is None:
+        return None
+    covered = _cover(shard.groups, _shape(op)[d], [_out_shape(op)[d]], start)
+    return None if covered is None else ([shard.groups], covered)
+
+
+def _slice_backward_groups(op: Op, shard: Shard, index: int | None):
+    """The gradient of a slice of whole groups (``slice_backward``: zeros around the piece)
+    is grouped as the slice's input was, on the mesh dim that kept its groups: the forward
+    slice's need says which groups. Only forward, and only with that forward slice."""
+    fwd = op.forward_op
+    if index is None or fwd is None or fwd.target != "aten.slice.Tensor" or not fwd.needs:
+        return None
+    d = _dim(_param(op, 2, "dim"), len(_out_shape(op)))
+    size = _out_shape(op)[d]
+    start, width = _param(op, 3, "start", 0), _shape(op)[d]
+    if _param(op, 5, "step", 1) != 1 or _shape(fwd) != _out_shape(op) or _slice_dim(fwd) != d:
+        return None
+    start = min(max(start + size if start < 0 else start, 0), size)
+    for p in fwd.needs[0].placements:
+        if p.is_shard(d) and p.grouped and _cover(p.groups, size, [width], start) == \
+                [shard.groups]:
+            return [shard.groups], [p.groups]
+    return None
+
+
 register("aten.split.Tensor", "aten.split_with_sizes.default")(
     GroupedCut(split, _split_dim, _split_groups))
+register("aten.slice.Tensor")(GroupedCut(slice_, _slice_dim, _slice_groups))
+register("aten.slice_backward.default")(
+    GroupedCut(slice_backward, lambda op: _dim(_param(op, 2, "dim"), len(_out_shape(op))),
+               _slice_backward_groups))
 register("aten.cat.default")(GroupedCut(cat, _cat_dim, _cat_groups))
 
 
@@ -364,15 +441,32 @@ def _regrouped(src: Sequence[int], dst: Sequence[int], dist: DistAttr | None
             continue
         n = dist.mesh.shape[m]
         ins, outs = next(g for g in view_groups(src, dst) if p.dim in g[0])
-        if p.groups > 1 and ins == (p.dim,) and len(outs) >= 2 and \
-                dst[outs[0]] == p.groups and dst[outs[1]] % n == 0:
+        # only equal groups can become a dim of their own
+        if isinstance(p.groups, int) and p.groups > 1 and ins == (p.dim,) and \
+                len(outs) >= 2 and dst[outs[0]] == p.groups and dst[outs[1]] % n == 0:
             return m, p, Shard(outs[1])
     return None
 
 
+def _ungrouped(op: Op, dist: DistAttr | None) -> tuple[int, Shard, Shard] | None:
+    """(mesh dim, the input's shard, the grouped shard of the output) where ``op`` undoes
+    its forward op's regrouping (the gradient of ``qkv.view(B, T, 3, H, hd)`` flattened
+    back): the output is grouped as the forward view's input was. Known from the forward
+    op only, so a flatten of any other shard keeps the view spec's rule."""
+    fwd = op.forward_op
+    if dist is None or fwd is None or not fwd.needs or fwd.target not in _VIEWS or \
+            _shape(fwd) != _out_shape(op) or _out_shape(fwd) != _shape(op):
+        return None
+    hit = _regrouped(_shape(fwd), _out_shape(fwd), fwd.needs[0])
+    if hit is None or dist.placements[hit[0]] != hit[2] or _only_cut(dist, hit[2].dim) is None:
+        return None
+    return hit[0], hit[2], hit[1]
+
+
 class GroupedView:
     """A reshape: the view spec's rule, except on the mesh dim whose grouped shard it cuts
-    into its groups (``_regrouped``), which keeps its shard at no cost."""
+    into its groups (``_regrouped``), or whose regrouping it undoes in the backward
+    (``_ungrouped``): that mesh dim keeps its shard at no cost."""
 
     def spec(self, op: Op) -> Spec:
         return view(op)
@@ -383,14 +477,15 @@ class GroupedView:
     def forward(self, op: Op, in_dists: Sequence[DistAttr | None], mesh: ProcessMesh,
                 available=None) -> Decision:
         ins, outs = self._types(op)
-        hit = _regrouped(_shape(op), _out_shape(op), in_dists[0])
+        hit = _regrouped(_shape(op), _out_shape(op), in_dists[0]) or \
+            _ungrouped(op, in_dists[0])
         if hit is None:
             return infer_forward(view(op), mesh, ins, outs, in_dists, describe(op), available)
         m, before, after = hit
         d = infer_forward(view(op), mesh, ins, outs, [_masked(in_dists[0], m)],
                           describe(op), available)
         keep = MeshDimChoice(m, Option("shard", f"dim {before.dim} regrouped as "
-                                       f"{after}", before.groups), 0.0, ())
+                                       f"{after}", after.groups), 0.0, ())
         return replace(d, needs=(d.needs[0].with_placement(m, before),),
                        outputs=(d.outputs[0].with_placement(m, after),),
                        choices=tuple(keep if c.mesh_dim == m else c for c in d.choices))
@@ -403,8 +498,9 @@ class GroupedView:
         return infer_reverse(view(op), mesh, ins, outs, out_hints, describe(op))
 
 
-register("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-         "aten._reshape_alias.default")(GroupedView())
+_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+          "aten._reshape_alias.default")
+register(*_VIEWS)(GroupedView())
 
 
 # Complex values have no max or min: only sums and means pass through these moves.
