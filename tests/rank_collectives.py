@@ -55,10 +55,15 @@ def cases(mesh: ProcessMesh):
 GROUPED = {
     1: [(s, d, shape) for s, d in [("S(0)x3", "R"), ("R", "S(0)x3"), ("P(sum)", "S(0)x3"),
                                    ("S(0)x3", "S(1)"), ("P(max)", "S(0)x3")]
-        for shape in [(12, 8), (15, 6)]],
+        for shape in [(12, 8), (15, 6)]] +
+    # unequal groups (grouped-query attention's [q | k | v]): 4 + 2 + 2 units of rows
+    [(s, d, shape) for s, d in [("S(0)x2:1:1", "R"), ("R", "S(0)x2:1:1"),
+                                ("P(sum)", "S(0)x2:1:1"), ("S(0)x2:1:1", "S(1)")]
+     for shape in [(16, 4), (24, 3)]],
     2: [("R,S(0)x3", "R,R", (12, 4)), ("P(sum),S(0)x3", "S(1),S(0)x3", (12, 4)),
         ("S(0),S(0)x3", "R,R", (12, 4)), ("R,P(sum)", "S(0),S(0)x3", (18, 4)),
-        ("S(0)x3,S(0)", "R,R", (18, 4))],
+        ("S(0)x3,S(0)", "R,R", (18, 4)), ("R,S(0)x2:1:1", "R,R", (16, 4)),
+        ("P(sum),S(0)x2:1:1", "S(1),S(0)x2:1:1", (24, 4))],
 }
 
 
