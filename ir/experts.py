@@ -49,15 +49,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out if bias is None else out + bias.unsqueeze(1)
 
 
-def _per_row(fn, h: torch.Tensor) -> torch.Tensor:
-    """Apply a row-wise function written for [rows, features] (the gate, a post-expert
-    norm) to [experts, tokens, features]. Rows are token-major, so the merged dim keeps the
-    tokens leading: a batch sharded over data parallelism or micro-batches stays sharded."""
-    experts, tokens = h.shape[:2]
-    out = fn(h.transpose(0, 1).reshape(tokens * experts, h.shape[-1]))
-    return out.reshape(tokens, experts, out.shape[-1]).transpose(0, 1)
-
-
 def dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                           ) -> torch.Tensor:
@@ -65,6 +56,10 @@ def dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     ``top_k_index`` / ``top_k_weights`` [tokens, k]) with static shapes; see the module
     docstring for why it equals eager's math."""
     experts, (tokens, hidden) = self.num_experts, hidden_states.shape
+    # The gate and the post-expert norm are written for [rows, features] but act on the last
+    # dim (every transformers experts class's do), so they take [experts, tokens, features]
+    # as it is: flattening it would merge the expert dim with the token dim and undo the
+    # sharding of both (expert parallelism, data parallelism).
     # combine[t, e]: the weight of expert e for token t, 0 where it was not routed. A
     # comparison with arange, not one_hot: one_hot checks the index range on values.
     routed = top_k_index.unsqueeze(-1) == torch.arange(experts, device=top_k_index.device)
@@ -73,7 +68,7 @@ def dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     if self.has_gate:
         h = _linear(x, self.gate_up_proj, self.gate_up_proj_bias if self.has_bias else None,
                     self.is_transposed)
-        h = _per_row(self._apply_gate, h)
+        h = self._apply_gate(h)
     else:
         h = _linear(x, self.up_proj, self.up_proj_bias if self.has_bias else None,
                     self.is_transposed)
@@ -81,7 +76,7 @@ def dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     out = _linear(h, self.down_proj, self.down_proj_bias if self.has_bias else None,
                   self.is_transposed)
     if self.has_post_expert_norm:
-        out = _per_row(self.post_expert_norm, out)
+        out = self.post_expert_norm(out)
     # eager multiplies each expert's output by its routing weight, then sums a token's
     # experts: the same products, the other experts' terms exact zeros
     weighted = out * combine.t().unsqueeze(-1)

@@ -22,6 +22,7 @@ from .completion import completion
 from .context import Fact, FactError, PassContext
 from .dead_code import dead_code
 from .decompose_loss import decompose_loss
+from .expert_parallel import expert_parallel
 from .explain import format_explanations
 from .fold_noops import fold_noops
 from .functionalize_writes import functionalize_writes
@@ -75,6 +76,7 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("settle_mesh", settle_mesh, makes=(F.MESH,)),
     _pass("pin_annotations", pin_annotations, needs=(F.MESH,)),
     _pass("tensor_parallel_plan", tensor_parallel_plan, needs=(F.MESH,)),
+    _pass("expert_parallel", expert_parallel, needs=(F.MESH,)),
     _pass("sequence_parallel", sequence_parallel, needs=(F.MESH,)),
     _pass("shard_batch", shard_batch, needs=(F.MESH,)),
     _pass("split_stages", split_stages, needs=(F.MESH,), makes=(F.STAGES,)),

@@ -25,6 +25,7 @@ from .sections import (
     AmpConfig,
     DataParallelConfig,
     DebugConfig,
+    ExpertParallelConfig,
     GradClipConfig,
     GradientMergeConfig,
     MeshConfig,
@@ -38,7 +39,8 @@ from .sections import (
 from .yaml_io import dump_yaml, load_yaml
 
 # Sections that place work on a mesh dim, in the order their degrees are reported.
-AXIS_SECTIONS: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline", "sharding")
+AXIS_SECTIONS: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline", "sharding",
+                                  "expert_parallel")
 # Pairs of sections that may name the same axis: ZeRO shards state across data-parallel ranks.
 SHAREABLE_AXES: frozenset[frozenset[str]] = frozenset({frozenset({"data_parallel", "sharding"})})
 # Never refused by check_supported: they exist from the first version on.
@@ -79,6 +81,7 @@ class Strategy(BaseModel):
     tensor_parallel: TensorParallelConfig | None = None
     pipeline: PipelineConfig | None = None
     sharding: ShardingConfig | None = None
+    expert_parallel: ExpertParallelConfig | None = None
     amp: AmpConfig = Field(default_factory=AmpConfig)
     recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
     gradient_merge: GradientMergeConfig = Field(default_factory=GradientMergeConfig)

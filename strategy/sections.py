@@ -161,6 +161,16 @@ class TensorParallelConfig(Section):
         return self
 
 
+class ExpertParallelConfig(Section):
+    """Mixture-of-experts weights split by expert over ``axis``: every parameter of an
+    experts module (one that holds the experts' weights stacked in 3-D ``[experts, ...]``
+    tensors) is ``Shard(0)`` there, so each rank holds and runs its own experts; the
+    tokens' sum over their experts becomes a sum over ranks."""
+
+    SECTION: ClassVar[str] = "expert_parallel"
+    axis: AxisName = "ep"
+
+
 class PipelineConfig(Section):
     """Pipeline stages over ``axis``; ``split`` is "auto" or the module names where a stage
     begins (stage boundaries, so one fewer than the number of stages)."""

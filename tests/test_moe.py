@@ -6,17 +6,19 @@ parameters equal eager torch's.
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import autopar as ap
+from autopar.ir import Program, StateKind
+from autopar.ir.attrs import NAME
 from autopar.ir.capture import CaptureError, CaptureNote, capture
 
 transformers = pytest.importorskip("transformers")
+# every capture of these models says it swapped their experts dispatch (tested once below)
+pytestmark = pytest.mark.filterwarnings("ignore::autopar.ir.capture.CaptureNote")
 
-VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
+VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64)
@@ -39,6 +41,9 @@ STRATEGIES = {
     "dp2": "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n",
     "pp2": "mesh: {shape: [2], dim_names: [pp]}\n"
            "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2, split: auto}\n",
+    "ep2": "mesh: {shape: [2], dim_names: [ep]}\nexpert_parallel: {axis: ep}\n",
+    "dp2_ep2": "mesh: {shape: [2, 2], dim_names: [dp, ep]}\ndata_parallel: {axis: dp}\n"
+               "expert_parallel: {axis: ep}\n",
 }
 
 
@@ -84,9 +89,7 @@ def _train(name: str, strategy: str, data: list) -> tuple[list[float], torch.nn.
     engine = ap.Engine(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
                        strategy=ap.Strategy.from_yaml_str(
                            STRATEGIES[strategy] + "debug: {simulate: true}\n"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CaptureNote)
-        losses = engine.fit(data, batch_size=BATCH, steps_per_epoch=STEPS, verbose=0)["loss"]
+    losses = engine.fit(data, batch_size=BATCH, steps_per_epoch=STEPS, verbose=0)["loss"]
     return losses, model          # fit writes the trained values back into the model
 
 
@@ -172,3 +175,55 @@ def test_a_user_moe_written_densely_trains_like_eager_under_dp2():
 def test_a_routing_loop_is_refused_naming_the_module_and_the_dense_form():
     with pytest.raises(CaptureError, match=r"module 'moe'.*mixture-of-experts.*densely"):
         _user_moe_fit(dense=False, strategy="serial")
+
+
+def _planned(name: str, strategy: str) -> tuple[ap.Engine, Program]:
+    model = _built(name)
+    engine = ap.Engine(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=ap.Strategy.from_yaml_str(
+                           STRATEGIES[strategy] + "debug: {simulate: true, strict_rules: true}\n"))
+    return engine, engine.prepare(*_batch(_data()[:BATCH]))
+
+
+def test_expert_parallel_keeps_each_ranks_experts_and_moves_no_tokens():
+    """Under ep2 the expert stacks are Shard(0) (two of four experts per rank, gradients and
+    momentum too), every expert matmul runs on the rank's own experts, and the only
+    collective inside an experts module is the all-reduce of the tokens' sum over experts
+    (forward) and of their input gradient (backward); planned strictly (every op has a
+    rule)."""
+    _, program = _planned("mixtral", "ep2")
+    states = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
+    for name, value in states.items():
+        sharded = ".experts." in name
+        assert str(value.dist.placements[0]) == ("S(0)" if sharded else "R"), name
+    experts = [op for op in program.ops if op.module.endswith("mlp.experts")]
+    assert all(str(op.outputs[0].dist.placements[0]) == "S(0)"
+               for op in experts if op.target == "aten.bmm.default")
+    moved = {op.target for op in experts if op.target.startswith("comm.")}
+    assert moved <= {"comm.slice", "comm.all_reduce"}, moved
+
+
+def test_expert_parallel_errors_name_the_module_mesh_and_placements():
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts' has 4 experts.*"
+                                         r"'ep' of size 3.*Shard\(0\)"):
+        model = _built("mixtral")
+        ap.Engine(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                  strategy=ap.Strategy.from_yaml_str(
+                      "mesh: {shape: [3], dim_names: [ep]}\nexpert_parallel: {axis: ep}\n"
+                      "debug: {simulate: true}\n")).prepare(*_batch(_data()[:BATCH]))
+    with pytest.raises(ValueError, match="no module holds its experts' weights stacked"):
+        torch.manual_seed(0)
+        model = UserNet(dense=True)
+        ap.Engine(model, torch.nn.functional.mse_loss,
+                  torch.optim.SGD(model.parameters(), lr=0.1),
+                  strategy=ap.Strategy.from_yaml_str(STRATEGIES["ep2"])).prepare(
+                      torch.randn(4, 8), torch.randn(4, 3))
+
+
+def test_expert_parallel_section_is_strict():
+    with pytest.raises(ValueError, match="unknown key 'axes'"):
+        ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [ep]}\n"
+                                  "expert_parallel: {axes: ep}\n")
+    with pytest.raises(ValueError, match="expert_parallel.axis 'ep' is not one of the mesh"):
+        ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [dp]}\n"
+                                  "expert_parallel: {axis: ep}\n")

@@ -1,0 +1,98 @@
+"""Pin the experts' weights ``Shard(0)`` on the ``expert_parallel`` mesh dim.
+
+An experts module holds its experts' weights stacked, ``[experts, out, in]``, and applies
+them with one batched matmul over the expert dim (autopar captures transformers' experts
+modules that way, ``ir/experts.py``: every expert on every token, each token's output the
+sum over experts of its routing weight times the expert's output). Sharding that dim is
+expert parallelism: each rank holds its experts (and their gradients and optimizer state)
+and computes them; completion then makes the experts' output Partial(sum) over the dim,
+one all-reduce of a token's output (and of its input gradient in the backward) per layer.
+The tokens need no all-to-all: the batch is not split on this dim, so every rank already
+holds every token it runs its experts on.
+
+Found by what the graph does, not by names: a parameter of three dims whose first forward
+use (through transposes and views) is a batched matmul over its dim 0 is an expert stack;
+its module's parameters whose dim 0 has as many rows (per-expert biases) go with it.
+An explicit ``shard_tensor`` on a parameter wins.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..ir import Op, OpKind, Program, StateKind, Value
+from ..ir.attrs import NAME
+from ..ir.dist import DistAttr, ProcessMesh, Shard
+from ..ir.reason import Reason
+from ..spmd.registry import tensor_inputs
+from .context import PassContext
+from .pinning import AnnotationError, pin
+
+__all__ = ["expert_parallel", "expert_stacks"]
+
+_BATCHED_MATMULS = ("aten.bmm.default", "aten.baddbmm.default")
+
+
+def expert_parallel(program: Program, ctx: PassContext) -> Program:
+    ep, mesh = ctx.strategy.expert_parallel, ctx.state.mesh
+    if ep is None or mesh is None:
+        return program
+    axis = mesh.dim_index(ep.axis)
+    params = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
+    stacks = expert_stacks(params, program.users())
+    if not stacks:
+        raise AnnotationError(
+            f"expert_parallel over {ep.axis!r} ({_describe(mesh)}): no module holds its "
+            "experts' weights stacked as [experts, ...] parameters applied by one batched "
+            "matmul; 3-D parameters: "
+            + (", ".join(f"{n} {list(v.type.shape)}" for n, v in params.items()
+                         if len(v.type.shape) == 3) or "none"))
+    for module, weights in stacks.items():
+        experts = next(v.type.shape[0] for v in weights.values())
+        if experts % mesh.shape[axis]:
+            raise AnnotationError(
+                f"expert_parallel: module '{module}' has {experts} experts, which do not "
+                f"split evenly over {ep.axis!r} of size {mesh.shape[axis]} ({_describe(mesh)}) "
+                f"as Shard(0) of {', '.join(weights)}")
+        dist = DistAttr.replicated(mesh).with_placement(axis, Shard(0))
+        for name, value in weights.items():
+            if value.dist is None:   # an explicit shard_tensor wins
+                pin(value, dist, Reason("plan", f"expert_parallel: '{module}' holds "
+                                                f"{experts} experts, dim 0 sharded on {ep.axis}"))
+    return program
+
+
+def expert_stacks(params: dict[str, Value], users: dict[Value, list[Op]]
+                  ) -> dict[str, dict[str, Value]]:
+    """module path -> its expert parameters (the stacks, and per-expert biases)."""
+    by_module: dict[str, dict[str, Value]] = defaultdict(dict)
+    for name, value in params.items():
+        by_module[name.rpartition(".")[0]][name] = value
+    stacks = {}
+    for module, owned in by_module.items():
+        counts = {v.type.shape[0] for v in owned.values()
+                  if len(v.type.shape) == 3 and _batched_over_dim0(v, users)}
+        if len(counts) == 1:
+            experts = counts.pop()
+            stacks[module] = {n: v for n, v in owned.items()
+                              if len(v.type.shape) >= 2 and v.type.shape[0] == experts}
+    return stacks
+
+
+def _batched_over_dim0(value: Value, users: dict[Value, list[Op]]) -> bool:
+    """Whether the first forward use of a 3-D parameter, followed through single-input ops
+    that keep dim 0 in front (transposes of the last two dims, views), is a batched matmul."""
+    while True:
+        op = next((u for u in users.get(value, ()) if u.kind is OpKind.CALL
+                   and u.role.value == "fwd"), None)
+        if op is None:
+            return False
+        if op.target in _BATCHED_MATMULS:
+            return True
+        if len(tensor_inputs(op)) != 1 or len(op.outputs) != 1 or not op.outputs[0].is_tensor \
+                or op.outputs[0].type.shape[:1] != value.type.shape[:1]:
+            return False
+        value = op.outputs[0]
+
+
+def _describe(mesh: ProcessMesh) -> str:
+    return f"mesh {list(mesh.shape)} ({', '.join(mesh.dim_names)})"
