@@ -9,12 +9,23 @@ convolution's channels); rowwise and vocab the dim that makes it Partial. So a C
 stores ``[in, out]`` gets the right dim, as does ``nn.Linear`` with ``[out, in]``, and a
 ``Conv2d`` weight ``[out, in, kh, kw]`` dim 0 for colwise, dim 1 for rowwise.
 
-A fused colwise projection (one linear computing q, k and v, then ``split`` into equal
-pieces along the sharded dim) is found the same way: when the op's output, followed through
-single-input ops, is split along that dim into k equal pieces, the weight (and bias) is
-sharded ``Shard(dim, groups=k)``, Megatron's interleaved layout: every rank holds its chunk
-of each piece, so q, k and v come out of the split sharded by heads with no communication.
-An explicit ``shard_tensor`` on a parameter wins over the plan.
+A fused colwise projection (one linear computing q, k and v) is found the same way, from
+what the program does to the op's output, followed through single-input ops:
+
+* ``split`` along the sharded dim into k pieces: ``Shard(dim, groups=k)`` for equal pieces
+  (Megatron's interleaved layout), groups of the pieces' relative widths otherwise;
+* step-1 slices that are its only uses and tile the dim (Phi-3's ``qkv_proj``:
+  ``[q: H*hd | k: G*hd | v: G*hd]``, grouped-query attention): groups of their widths
+  (``S(0)x2:1:1`` for 4 query and 2 key/value heads);
+* a reshape cutting the dim into ``(g, heads, ...)`` whose ``g`` dim is then unbound,
+  selected or split (timm's ``reshape(B, N, 3, H, hd).permute(...).unbind(0)``): g groups.
+  A reshape into ``(heads, 3 * hd)`` (GPT-NeoX) leaves heads leading: a plain shard.
+
+Every rank then holds its chunk of each piece, so q, k and v come out sharded by heads with
+no communication. Each piece must reach its consumer with whole heads on every rank: a
+reshape into q or kv heads that the tp mesh dim does not divide is refused, naming it, its
+module, the mesh and the placement. An explicit ``shard_tensor`` on a parameter wins over
+the plan.
 """
 from __future__ import annotations
 
@@ -155,30 +166,42 @@ class _Fused:
         return [u for u in self.users.get(value, ()) if u.kind is OpKind.CALL
                 and u.role.value == "fwd"]
 
+    def _chain(self, value: Value, placed: Placement):
+        """(value, its first forward use, the value's placement, the use's output placement)
+        from ``value`` (placed ``placed`` on the tp mesh dim) through single-input ops, by
+        their SPMD rules; the last use yielded has another arity or no rule (after: None)."""
+        dist = DistAttr.replicated(self.mesh).with_placement(self.axis, placed)
+        while (uses := self._uses(value)):
+            op = uses[0]
+            rule = lookup(op)
+            if rule is None or len(tensor_inputs(op)) != 1 or len(op.outputs) != 1:
+                yield value, op, dist, None
+                return
+            after = rule.forward(op, [dist], self.mesh).outputs[0]
+            yield value, op, dist, after
+            value, dist = op.outputs[0], after
+
+    def _kept(self, after: DistAttr | None) -> bool:
+        return after is not None and after.placements[self.axis].is_shard()
+
     def groups(self, consumer: Op, placed: Shard) -> tuple[Groups, str]:
         """(the weight's groups, how the output is cut) for the colwise op ``consumer``
         whose output dim ``placed`` is sharded: 1 when nothing cuts it into pieces."""
-        value = consumer.outputs[0]
-        dist = DistAttr.replicated(self.mesh).with_placement(self.axis, placed)
-        while True:
-            uses, d = self._uses(value), dist.placements[self.axis].dim
-            found = self._slices(value, uses, d) or (uses and self._cut(uses[0], value, d))
+        for value, op, before, after in self._chain(consumer.outputs[0], placed):
+            d = before.placements[self.axis].dim
+            found = self._slices(value, d) or self._cut(op, value, d)
             if found:
                 return found
-            op = uses[0] if uses else None
-            rule = lookup(op) if op is not None else None
-            if rule is None or len(tensor_inputs(op)) != 1 or len(op.outputs) != 1:
-                return 1, ""
-            value, dist = op.outputs[0], rule.forward(op, [dist], self.mesh).outputs[0]
-            if not dist.placements[self.axis].is_shard():
-                return 1, ""
+            if not self._kept(after):
+                break
+        return 1, ""
 
-    def _slices(self, value: Value, uses: list[Op], d: int) -> tuple[Groups, str] | None:
+    def _slices(self, value: Value, d: int) -> tuple[Groups, str] | None:
         """Step-1 slices along ``d`` that are the value's only uses and tile it (Phi-3's
         ``qkv[..., :q]``, ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``): groups of their widths."""
         size = value.type.shape[d]
         spans = []
-        for op in uses:
+        for op in self._uses(value):
             a = schema_args(op) if op.target == "aten.slice.Tensor" else None
             if a is None or a["dim"] % len(value.type.shape) != d or (a["step"] or 1) != 1:
                 return None
@@ -230,40 +253,28 @@ class _Fused:
     def _taken_apart(self, value: Value, dim: int) -> bool:
         """Whether dim ``dim`` of ``value``, followed through single-input ops, is unbound,
         selected or split along (it holds q, k and v, not heads)."""
-        dist = DistAttr.replicated(self.mesh).with_placement(self.axis, Shard(dim))
-        while (uses := self._uses(value)):
-            op, d = uses[0], dist.placements[self.axis].dim
+        for value, op, before, after in self._chain(value, Shard(dim)):
             if op.target in _TAKE_APART:
+                d = before.placements[self.axis].dim
                 return schema_args(op)["dim"] % len(value.type.shape) == d
-            rule = lookup(op)
-            if rule is None or len(tensor_inputs(op)) != 1 or len(op.outputs) != 1:
-                return False
-            value, dist = op.outputs[0], rule.forward(op, [dist], self.mesh).outputs[0]
-            if not dist.placements[self.axis].is_shard():
-                return False
+            if not self._kept(after):
+                break
         return False
 
     def _check_heads(self, piece: Value, d: int) -> None:
         """A piece followed through single-input ops keeps its shard up to the op that
         uses it with something else; a reshape into heads that do not divide over the tp
         mesh dim would lose it (attention on gathered heads): refused by name."""
-        dist = DistAttr.replicated(self.mesh).with_placement(self.axis, Shard(d))
-        value = piece
-        while (uses := self._uses(value)):
-            op = uses[0]
-            rule = lookup(op)
-            if rule is None or len(tensor_inputs(op)) != 1 or len(op.outputs) != 1:
-                return
-            before, shard = dist, dist.placements[self.axis]
-            dist = rule.forward(op, [dist], self.mesh).outputs[0]
-            if not dist.placements[self.axis].is_shard():
-                if op.target in _VIEWS:
-                    src, dst = value.type.shape, op.outputs[0].type.shape
-                    ins, outs = next(g for g in view_groups(src, dst) if shard.dim in g[0])
-                    if ins == (shard.dim,) and len(outs) >= 2:
-                        self._refuse(op, dst[outs[0]], "", before)
-                return
-            value = op.outputs[0]
+        for value, op, before, after in self._chain(piece, Shard(d)):
+            if self._kept(after):
+                continue
+            if after is not None and op.target in _VIEWS:
+                shard = before.placements[self.axis].dim
+                src, dst = value.type.shape, op.outputs[0].type.shape
+                ins, outs = next(g for g in view_groups(src, dst) if shard in g[0])
+                if ins == (shard,) and len(outs) >= 2:
+                    self._refuse(op, dst[outs[0]], "", before)
+            return
 
     def _refuse(self, op: Op, heads: int, what: str, placed: DistAttr) -> None:
         n, name = self.mesh.shape[self.axis], self.mesh.dim_names[self.axis]
@@ -273,10 +284,6 @@ class _Fused:
             f"{what}{heads} heads {list(op.outputs[0].type.shape)}: {heads} heads do not "
             f"divide over mesh dim {name!r} of size {n} of {self.mesh}, so a rank would not "
             "hold whole heads of q, k and v; use a tp size that divides every head count")
-
-
-def _dim_arg(op: Op, ndim: int) -> int:
-    return schema_args(op)["dim"] % ndim
 
 
 def _landing(op: Op, rule, index: int, dist: DistAttr, axis: int) -> Placement:

@@ -3,17 +3,20 @@ through (``linear="sum"`` with all four reduce ops) and no letter may vanish int
 reduction (``reduce=None``). A dim the op cuts, pads, gathers, repeats or reverses is
 replicated; reshapes come from dim transforms (``dim_transforms.py``).
 
-A grouped shard (``S(d)xg``: each rank holds its chunk of each of g equal parts of dim d)
-survives a cut along d that falls on group boundaries: ``split`` into pieces of whole
-groups gives each piece the groups it covers (``S(d)x3`` split in 3 -> three plain
-``S(d)``: a fused qkv projection's q, k, v keep their heads sharded), and ``cat`` of pieces
-whose groups are all as wide gives the groups of all of them (the backward of that split).
-Any other cut of a sharded dim still replicates it. A reshape of ``S(d)xg`` into
-``(g, rest...)`` (``qkv.view(B, T, 3, H, hd)``) is a plain shard of ``rest``'s first dim:
-each rank holds its chunk of every group. The inverse (flattening ``(g, a, ...)`` with
-``a`` sharded) would be ``S(d)xg`` too, but any inner shard of a flatten would then become
-a grouped shard (a sequence-parallel ``[B, T, C] -> [B*T, C]`` as ``S(0)xB``), so a flatten
-keeps the view spec's rule (the inner shard is gathered).
+A grouped shard (``S(d)xg``: each rank holds its chunk of each of g equal parts of dim d;
+``S(d)x2:1:1``: of parts of relative widths 2, 1, 1) survives a cut along d that falls on
+group boundaries: ``split`` into pieces of whole groups gives each piece the groups it
+covers (``S(d)x3`` split in 3 -> three plain ``S(d)``: a fused qkv projection's q, k, v
+keep their heads sharded), as does a step-1 ``slice`` of whole groups (Phi-3's
+``qkv[..., :q]``); its gradient, ``slice_backward``, is grouped as the forward slice's input
+was. ``cat`` of pieces whose groups are all as wide gives the groups of all of them (the
+backward of an equal split). Any other cut of a sharded dim still replicates it. A reshape
+of ``S(d)xg`` into ``(g, rest...)`` (``qkv.view(B, T, 3, H, hd)``) is a plain shard of
+``rest``'s first dim: each rank holds its chunk of every group. The inverse (flattening
+``(g, a, ...)`` with ``a`` sharded) is ``S(d)xg`` again only where the flatten is the
+gradient of such a regrouping (its forward op says so): any inner shard of a flatten would
+otherwise become a grouped shard (a sequence-parallel ``[B, T, C] -> [B*T, C]`` as
+``S(0)xB``), so other flattens keep the view spec's rule (the inner shard is gathered).
 
 Letters follow the op's own semantics (what ``unsqueeze(dim)`` does to a local piece), not
 its output shape: a size-1 dim that is sharded holds size 0 on some ranks, and a local
@@ -402,17 +405,16 @@ def _slice_backward_groups(op: Op, shard: Shard, index: int | None):
     is grouped as the slice's input was, on the mesh dim that kept its groups: the forward
     slice's need says which groups. Only forward, and only with that forward slice."""
     fwd = op.forward_op
-    if index is None or fwd is None or fwd.target != "aten.slice.Tensor" or not fwd.needs:
+    if index is None or fwd is None or fwd.target != "aten.slice.Tensor" or not fwd.needs \
+            or _shape(fwd) != _out_shape(op) or _out_shape(fwd) != _shape(op):
         return None
-    d = _dim(_param(op, 2, "dim"), len(_out_shape(op)))
-    size = _out_shape(op)[d]
-    start, width = _param(op, 3, "start", 0), _shape(op)[d]
-    if _param(op, 5, "step", 1) != 1 or _shape(fwd) != _out_shape(op) or _slice_dim(fwd) != d:
+    d = _slice_dim(fwd)
+    start = _slice_start(fwd, _shape(fwd)[d])
+    if start is None or _dim(_param(op, 2, "dim"), len(_out_shape(op))) != d:
         return None
-    start = min(max(start + size if start < 0 else start, 0), size)
     for p in fwd.needs[0].placements:
-        if p.is_shard(d) and p.grouped and _cover(p.groups, size, [width], start) == \
-                [shard.groups]:
+        if p.is_shard(d) and p.grouped and \
+                _cover(p.groups, _shape(fwd)[d], [_out_shape(fwd)[d]], start) == [shard.groups]:
             return [shard.groups], [p.groups]
     return None
 
