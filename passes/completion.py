@@ -69,8 +69,11 @@ class _Completion:
         while self.pending:
             before = len(self.pending)
             self._forward_sweep()
-            self._reverse_sweep()
-            if len(self.pending) == before and not self._place_starts():
+            # a start placed by request is progress: the next forward sweep may decide its
+            # consumers, which ask for the other starts they read (an optimizer state asks
+            # for its parameter's placement) before any is replicated by default
+            started = self._reverse_sweep()
+            if len(self.pending) == before and not started and not self._place_starts():
                 stuck = ", ".join(describe(op) for op in self.pending[:5])
                 raise RuntimeError(f"completion made no progress on {len(self.pending)} ops "
                                    f"on {self.mesh}: {stuck}")
@@ -96,11 +99,12 @@ class _Completion:
             self._commit(op, ins, decision)
         self.pending = waiting
 
-    def _reverse_sweep(self) -> None:
-        pending = set(self.pending)
+    def _reverse_sweep(self) -> bool:
+        """Carry requests up; True if a start value took one."""
+        pending, started = set(self.pending), False
         for op in reversed(self.program.ops):
             if op.kind in (OpKind.INPUT, OpKind.STATE):
-                self._place_start(op.outputs[0])
+                started = self._place_start(op.outputs[0]) or started
             elif op in pending and all(v.dist is None for v in self.ins[op]):
                 # an op with a placed input asked for the rest itself, in the forward sweep
                 hints = [self.requests.get(v, (None, None))[0] for v in op.outputs]
@@ -111,6 +115,7 @@ class _Completion:
                     for v, need in zip(self.ins[op], wanted):
                         if v.dist is None:
                             self._request(v, need, op)
+        return started
 
     def _request(self, v: Value, need: DistAttr, op: Op) -> None:
         """The earliest consumer in program order wins: forward uses before backward ones."""

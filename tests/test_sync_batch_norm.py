@@ -29,7 +29,7 @@ from parity import ATOL, RTOL  # noqa: E402  (by name: this file also runs as a 
 
 import autopar as ap  # noqa: E402
 from autopar.ir import OpKind, Program  # noqa: E402
-from autopar.ir.attrs import DECOMPOSES  # noqa: E402
+from autopar.ir.attrs import DECOMPOSES, NAME  # noqa: E402
 from autopar.ir.printer import value_names  # noqa: E402
 from autopar.reshard.comm import RESHARD_STEP  # noqa: E402
 
@@ -423,3 +423,17 @@ def _rank_main() -> None:
 
 if __name__ == "__main__":
     _rank_main()
+
+
+def test_tp2_with_sgd_momentum_places_each_buffer_like_its_parameter():
+    """The batch norms' parameters are placed by their first consumer (channel shards after
+    the colwise conv), not by the plan; their momentum buffers (None before the first step)
+    must follow them, not default to replicated (completion once replicated every unplaced
+    start before the optimizer could ask, and the first step sliced a None buffer)."""
+    tp = ("mesh: {shape: [2], dim_names: [tp]}\n"
+          "tensor_parallel: {axis: tp, plan: {conv1: colwise, conv2: rowwise}}\n")
+    engine, model, reference, _, got, want = _train("cnn", tp, 4)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    _assert_same_state(model, reference)
+    states = {op.attrs[NAME]: op.result for op in engine.planner.last("train").program.states()}
+    assert str(states["bn1.weight/momentum_buffer"].dist) == str(states["bn1.weight"].dist)
