@@ -6,6 +6,8 @@ parameters equal eager torch's.
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -13,6 +15,20 @@ import autopar as ap
 from autopar.ir import Program, StateKind
 from autopar.ir.attrs import NAME
 from autopar.ir.capture import CaptureError, CaptureNote, capture
+from autopar.ir.dist import (
+    DistAttr,
+    Partial,
+    Placement,
+    ProcessMesh,
+    Replicate,
+    Shard,
+    assemble,
+    shard_tensor_local,
+)
+from autopar.ir.ops import resolve
+from autopar.spmd import lookup
+
+from .spmd_util import T, make_op
 
 transformers = pytest.importorskip("transformers")
 # every capture of these models says it swapped their experts dispatch (tested once below)
@@ -227,3 +243,59 @@ def test_expert_parallel_section_is_strict():
     with pytest.raises(ValueError, match="expert_parallel.axis 'ep' is not one of the mesh"):
         ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [dp]}\n"
                                   "expert_parallel: {axis: ep}\n")
+
+
+def _scatter_cases() -> list[tuple[str, tuple]]:
+    """The scatters routing makes (topk's backward: zeros scattered along the expert dim)
+    and their siblings, with concrete arguments."""
+    g = torch.Generator().manual_seed(0)
+    index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])    # [6, 2]
+    rows = torch.tensor([3, 0, 3, 1])
+    return [
+        ("aten.scatter.src", (torch.randn(6, 4, generator=g), -1, index,
+                              torch.randn(6, 2, generator=g))),
+        ("aten.scatter_add.default", (torch.randn(6, 4, generator=g), 1, index,
+                                      torch.randn(6, 2, generator=g))),
+        ("aten.scatter.src", (torch.randn(4, 6, generator=g), 0, index.t().contiguous(),
+                              torch.randn(2, 6, generator=g))),
+        ("aten.scatter.value", (torch.randn(6, 4, generator=g), 1, index, 0.0)),
+        ("aten.scatter.value", (torch.randn(6, 4, generator=g), 1, index, 2.0)),
+        ("aten.index_add.default", (torch.randn(5, 3, generator=g), 0, rows,
+                                    torch.randn(4, 3, generator=g))),
+        ("aten.index_add.default", (torch.randn(3, 5, generator=g), 1, rows,
+                                    torch.randn(3, 4, generator=g))),
+    ]
+
+
+def _placements_for(x: torch.Tensor, is_index: bool) -> list[Placement]:
+    return [Replicate()] + [Shard(d) for d in range(x.dim())] + ([] if is_index
+                                                                  else [Partial("sum")])
+
+
+@pytest.mark.parametrize("case", range(len(_scatter_cases())))
+def test_scatter_rules_hold_on_every_placement(case):
+    """For every placement of the inputs on two ranks, the rule's needs run as the plain op
+    on each rank's pieces assemble, by the rule's output placement, into the global result."""
+    target, args = _scatter_cases()[case]
+    op = make_op(target, *[T(*a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
+                           for a in args])
+    want = resolve(target)(*args)
+    mesh = ProcessMesh([0, 1], dim_names=["x"])
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    choices = [_placements_for(args[i], args[i].dtype == torch.int64) for i in tensors]
+    for placed in itertools.product(*choices):
+        decision = lookup(op).forward(op, [DistAttr(mesh, (p,)) for p in placed], mesh)
+        per_rank = {}
+        for rank in (0, 1):
+            local = list(args)
+            for i, need in zip(tensors, decision.needs):
+                p = need.placements[0]
+                if isinstance(p, Partial):     # rank 0 holds the value, rank 1 zeros
+                    local[i] = args[i] * (1 - rank)
+                else:
+                    local[i] = shard_tensor_local(args[i], mesh, (p,), (rank,))
+            per_rank[(rank,)] = resolve(target)(*local)
+        out = decision.outputs[0]
+        got = assemble(per_rank, want.shape, mesh, out.placements)
+        torch.testing.assert_close(got, want, msg=lambda m, placed=placed, d=decision:
+                                   f"{target} {placed} -> needs {d.needs}, out {d.outputs}: {m}")
