@@ -40,7 +40,7 @@ from autopar.passes.pinning import AnnotationError
 from autopar.reshard import AllGather, ReduceScatter, Slice, plan_reshard
 
 from .parity import assert_same_losses, assert_same_params
-from .spmd_util import MESH2
+from .spmd_util import MESH2, T, forward, make_op, reverse
 from .test_grouped_shard import check_reshard, run_rule_numerically
 
 sys.path.insert(0, os.path.dirname(__file__))   # op_cases imports its siblings by name
@@ -171,6 +171,27 @@ def _x(*shape, seed=0):
 ])
 def test_rules_on_unequal_groups_compute_the_global_op(name, make, ins, needs, outs):
     assert run_rule_numerically(make(), MESH2, ins) == (needs, outs)
+
+
+def test_gradients_of_cuts_of_whole_groups_are_grouped_as_the_forward_input_was():
+    # reverse: a grouped output asks each input for the groups it covers
+    cat = make_op("aten.cat.default", [T(4, 8), T(4, 4), T(4, 4)], 1)
+    assert reverse(cat, MESH2, "R,S(1)x2:1:1") == ["R,S(1)"] * 3
+    # forward without a forward op: pieces of unequal widths are not one grouping
+    assert forward(cat, MESH2, "R,S(1)", "R,S(1)", "R,S(1)")[1] == ["R,R"]
+    # the cat that differentiates a split of S(1)x2:1:1 (and the slice_backward of a slice)
+    # regroups: its forward op's need says how
+    split = make_op("aten.split_with_sizes.default", T(4, 16), [8, 4, 4], 1)
+    split.needs = (DistAttr(MESH2, parse_placements("R,S(1)x2:1:1")),)
+    cat.forward_op = split
+    assert forward(cat, MESH2, "R,S(1)", "R,S(1)", "R,S(1)") == (
+        ["R,S(1)"] * 3, ["R,S(1)x2:1:1"])
+    sliced = make_op("aten.slice.Tensor", T(4, 16), 1, 8, 12)
+    sliced.needs = split.needs
+    grad = make_op("aten.slice_backward.default", T(4, 4), [4, 16], 1, 8, 12, 1)
+    assert forward(grad, MESH2, "S(0),S(1)") == (["S(0),R"], ["S(0),R"])
+    grad.forward_op = sliced
+    assert forward(grad, MESH2, "S(0),S(1)") == (["S(0),S(1)"], ["S(0),S(1)x2:1:1"])
 
 
 # --------------------------------------------------------------------------- models
@@ -378,6 +399,39 @@ def test_vit_heads_that_do_not_divide_the_tp_size_are_refused_by_name():
     with pytest.raises(AnnotationError, match=r"(?s)blocks.0.attn.qkv.*S\(2\)x3.*as 3 groups "
                                               r"of 3 heads.*size 2"):
         engine.prepare(torch.randn(BATCH, 3, 16, 16), torch.zeros(BATCH, dtype=torch.long))
+
+
+class SplitGQA(nn.Module):
+    """Grouped-query attention whose fused projection is cut by ``split`` into unequal
+    sizes (4 query heads, 2 key/value heads)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.hd)
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).split([self.heads * self.hd, self.kv_heads * self.hd,
+                                     self.kv_heads * self.hd], dim=-1)
+        q, k, v = (t.view(B, N, -1, self.hd).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(B, N, C)))
+
+
+def test_a_fused_projection_split_into_unequal_pieces_trains_on_local_heads():
+    torch.manual_seed(0)
+    data = [(x["input_ids"], y) for x, y in _lm_data()]
+    strategy = _strategy({"qkv": "colwise", "proj": "rowwise"})
+    _, engine = _train(SplitGQA(), data, lambda out, y: F.cross_entropy(
+        out.flatten(0, 1), y.flatten()), strategy)
+    assert _placed(engine)["qkv.weight"].dist.placements == (Shard(0, (2, 1, 1)),)
+    program = engine.planner.last("train").program
+    assert not [op for op in program.ops if op.target in ("comm.all_gather", "comm.slice")]
 
 
 LLAMA_PLAN = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",

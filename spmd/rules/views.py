@@ -318,6 +318,9 @@ class GroupedCut:
         return tuple(x.with_placement(m, Shard(d, g)) for x, g in zip(needs, fit[0]))
 
 
+_SPLIT_TARGETS = ("aten.split.Tensor", "aten.split_with_sizes.default")
+
+
 def _split_dim(op: Op) -> int:
     return _dim(_param(op, 2, "dim", 0), len(_shape(op)))
 
@@ -365,16 +368,37 @@ def _cat_dim(op: Op) -> int:
 
 
 def _cat_groups(op: Op, shard: Shard, index: int | None):
-    """Every piece is whole groups of one width (an input's, or the output's in reverse);
-    the output holds all of them."""
+    """Every piece is whole groups of one width (an input's), or whole groups of the
+    output's (reverse); or the cat is the gradient of a split of whole groups, grouped as
+    the split's input was (``_split_gradient``). The output holds all of them."""
     d = _cat_dim(op)
     tensors = tensor_inputs(op)
     if any(len(t.type.shape) != len(_out_shape(op)) for t in tensors):
         return None                 # a legacy empty 1-D input: the spec's rule
     sizes = [t.type.shape[d] for t in tensors]
-    size = sizes[index] if index is not None else _out_shape(op)[d]
-    groups = _groups_of(sizes, size // shard.groups if size % shard.groups == 0 else 0)
-    return None if groups is None else (groups, [sum(groups)])
+    if index is None:
+        covered = _cover(shard.groups, _out_shape(op)[d], sizes)
+        return None if covered is None else (covered, [shard.groups])
+    if not isinstance(shard.groups, int):
+        return None
+    groups = _groups_of(sizes, sizes[index] // shard.groups
+                        if sizes[index] % shard.groups == 0 else 0)
+    return (groups, [sum(groups)]) if groups is not None else _split_gradient(op, d, sizes)
+
+
+def _split_gradient(op: Op, d: int, sizes: list[int]):
+    """The cat that differentiates a split of a grouped shard into pieces of whole groups
+    (q, k and v of unequal widths): the pieces keep the groups they covered, the output
+    is grouped as the split's input was (the forward split's need says how)."""
+    fwd = op.forward_op
+    if fwd is None or fwd.target not in _SPLIT_TARGETS or not fwd.needs or \
+            _shape(fwd) != _out_shape(op) or _split_dim(fwd) != d:
+        return None
+    for p in fwd.needs[0].placements:
+        covered = _cover(p.groups, _shape(fwd)[d], sizes) if p.is_shard(d) else None
+        if covered is not None and p.grouped:
+            return covered, [p.groups]
+    return None
 
 
 def _slice_dim(op: Op) -> int:
@@ -419,8 +443,7 @@ def _slice_backward_groups(op: Op, shard: Shard, index: int | None):
     return None
 
 
-register("aten.split.Tensor", "aten.split_with_sizes.default")(
-    GroupedCut(split, _split_dim, _split_groups))
+register(*_SPLIT_TARGETS)(GroupedCut(split, _split_dim, _split_groups))
 register("aten.slice.Tensor")(GroupedCut(slice_, _slice_dim, _slice_groups))
 register("aten.slice_backward.default")(
     GroupedCut(slice_backward, lambda op: _dim(_param(op, 2, "dim"), len(_out_shape(op))),
