@@ -9,6 +9,8 @@ immutable and printable:
   vocabulary as DTensor and OneFlow SBP. ``Shard(d, groups=g)`` is a grouped shard (DTensor's
   ``_StridedShard``, Megatron's interleaved fused qkv): dim ``d`` is viewed as ``(g, n/g)``
   and the inner part is chunked, so a rank holds its chunk of every group, in group order.
+  ``groups=(2, 1, 1)`` gives groups of relative widths (grouped-query attention's fused
+  ``[q | k | v]`` with half as many kv heads; text ``S(d)x2:1:1``).
   Its piece is not one slice: ``local_runs`` gives the index runs, ``local_slices`` refuses.
 * ``DistAttr(mesh, placements)`` — what completion writes into ``Value.dist``; its ``str`` is
   the compact, stable text IR dumps print after the value's type.
@@ -34,7 +36,7 @@ __all__ = [
     "ProcessMesh", "MICRO_BATCH_DIM", "micro_batch_dim", "Placement", "Shard", "Replicate",
     "Partial", "PARTIAL_OPS", "DistAttr", "local_size", "local_offset", "local_shape",
     "local_offsets", "local_slices", "local_runs", "is_grouped", "chunk_grouped", "cat_grouped",
-    "Groups", "normalize_groups", "group_count", "group_total", "group_widths", "format_groups",
+    "Groups", "normalize_groups", "group_total", "group_widths", "format_groups",
     "shard_tensor_local", "assemble", "format_placements", "parse_placements",
 ]
 
@@ -266,11 +268,6 @@ def normalize_groups(groups: object, what: str = "Shard") -> Groups:
         raise ValueError(f"{what}, groups={groups!r}: groups must be a positive int or a "
                          "tuple of relative widths")
     return groups
-
-
-def group_count(groups: Groups) -> int:
-    """How many parts a group layout has."""
-    return groups if isinstance(groups, int) else len(groups)
 
 
 def group_total(groups: Groups) -> int:

@@ -85,10 +85,17 @@ def _split(op: Op, ctx: LocalContext) -> LocalCall | None:
                      "split into the local pieces")
 
 
-def _local_position(runs, index: int) -> int:
-    """How many of the piece's indices (its global ``runs``, in order) lie below ``index``:
-    where a global position falls in the piece."""
-    return sum(max(0, min(b, index) - a) for a, b in runs)
+def _local_bounds(shape, placements, ctx: LocalContext, d: int, start: int | None,
+                  width: int) -> tuple[int, int]:
+    """Where the global run ``[start, start + width)`` of dim ``d`` lies in the rank's piece
+    of a tensor of ``shape`` placed ``placements``: how many of the piece's indices (its
+    global runs, in order) lie below each bound."""
+    size = shape[d]
+    start = start or 0
+    start = min(max(start + size if start < 0 else start, 0), size)
+    runs = local_runs(shape, ctx.mesh, placements, ctx.coordinate)[d]
+    below = lambda i: sum(max(0, min(b, i) - a) for a, b in runs)  # noqa: E731
+    return below(start), below(start + width)
 
 
 def _grouped_dim(placements, d: int) -> bool:
@@ -104,13 +111,9 @@ def _slice(op: Op, ctx: LocalContext) -> LocalCall | None:
     d = a["dim"] % len(value.type.shape)
     if not _grouped_dim(ctx.needs[0].placements, d):
         return None
-    size = value.type.shape[d]
-    start = a["start"] or 0
-    start = min(max(start + size if start < 0 else start, 0), size)
-    runs = local_runs(value.type.shape, ctx.mesh, ctx.needs[0].placements, ctx.coordinate)[d]
-    end = start + op.outputs[0].type.shape[d]
-    return LocalCall(op.target, (op.args[0], d, _local_position(runs, start),
-                                 _local_position(runs, end), 1), {},
+    lo, hi = _local_bounds(value.type.shape, ctx.needs[0].placements, ctx, d, a["start"],
+                           op.outputs[0].type.shape[d])
+    return LocalCall(op.target, (op.args[0], d, lo, hi, 1), {},
                      "slice of the local blocks of whole groups")
 
 
@@ -123,14 +126,10 @@ def _slice_backward(op: Op, ctx: LocalContext) -> LocalCall | None:
     d = a["dim"] % len(shape)
     if not _grouped_dim(ctx.out_placements(0), d):
         return _shape_arg(op, ctx)
-    size = shape[d]
-    start = a["start"] or 0
-    start = min(max(start + size if start < 0 else start, 0), size)
-    runs = local_runs(shape, ctx.mesh, ctx.out_placements(0), ctx.coordinate)[d]
-    end = start + [v for v in op.inputs if v.is_tensor][0].type.shape[d]
-    return LocalCall(op.target, (op.args[0], list(ctx.out_shape(op, 0)), d,
-                                 _local_position(runs, start), _local_position(runs, end), 1),
-                     {}, "gradient of a slice into the local blocks of its groups")
+    lo, hi = _local_bounds(shape, ctx.out_placements(0), ctx, d, a["start"],
+                           [v for v in op.inputs if v.is_tensor][0].type.shape[d])
+    return LocalCall(op.target, (op.args[0], list(ctx.out_shape(op, 0)), d, lo, hi, 1), {},
+                     "gradient of a slice into the local blocks of its groups")
 
 
 # ----------------------------------------------------------------------------------------
