@@ -41,8 +41,10 @@ from .yaml_io import dump_yaml, load_yaml
 # Sections that place work on a mesh dim, in the order their degrees are reported.
 AXIS_SECTIONS: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline", "sharding",
                                   "expert_parallel")
-# Pairs of sections that may name the same axis: ZeRO shards state across data-parallel ranks.
-SHAREABLE_AXES: frozenset[frozenset[str]] = frozenset({frozenset({"data_parallel", "sharding"})})
+# Pairs of sections that may name the same axis: ZeRO shards state across data-parallel ranks,
+# and experts may be split across them (each rank's tokens meet every rank's experts).
+SHAREABLE_AXES: frozenset[frozenset[str]] = frozenset({
+    frozenset({"data_parallel", "sharding"}), frozenset({"data_parallel", "expert_parallel"})})
 # Never refused by check_supported: they exist from the first version on.
 ALWAYS_SUPPORTED: frozenset[str] = frozenset({"grad_clip", "debug", "seed"})
 # Environment variable that overrides debug.dump_dir (read by the engine, passed in).
@@ -159,8 +161,8 @@ class Strategy(BaseModel):
 
     def _shared_axis_problems(self) -> list[str]:
         sections = list(self._axis_sections().items())
-        return [f"{a}.axis and {b}.axis are both {ca.axis!r}; only data_parallel and sharding "
-                f"may share an axis"
+        return [f"{a}.axis and {b}.axis are both {ca.axis!r}; only data_parallel may share "
+                f"an axis (with sharding or expert_parallel)"
                 for i, (a, ca) in enumerate(sections) for b, cb in sections[i + 1:]
                 if ca.axis == cb.axis and frozenset({a, b}) not in SHAREABLE_AXES]
 
