@@ -246,7 +246,7 @@ class _Fused:
         if dst[outs[1]] % n:
             grouped = DistAttr.replicated(self.mesh).with_placement(
                 self.axis, Shard(d, dst[outs[0]]))
-            self._refuse(op, dst[outs[1]], f"{dst[outs[0]]} groups of ", grouped)
+            self._refuse(op, "the", grouped, f"{dst[outs[0]]} groups of ", dst[outs[1]])
         return dst[outs[0]], (f"its output is viewed as {dst[outs[0]]} groups of heads "
                               f"({op.target}) and taken apart")
 
@@ -273,13 +273,13 @@ class _Fused:
                 src, dst = value.type.shape, op.outputs[0].type.shape
                 ins, outs = next(g for g in view_groups(src, dst) if shard in g[0])
                 if ins == (shard,) and len(outs) >= 2:
-                    self._refuse(op, dst[outs[0]], "", before)
+                    self._refuse(op, "a piece of the", before, "", dst[outs[0]])
             return
 
-    def _refuse(self, op: Op, heads: int, what: str, placed: DistAttr) -> None:
+    def _refuse(self, op: Op, whose: str, placed: DistAttr, what: str, heads: int) -> None:
         n, name = self.mesh.shape[self.axis], self.mesh.dim_names[self.axis]
         raise AnnotationError(
-            f"{self.where}: {op.target} ({op.module or 'top level'}) views the fused "
+            f"{self.where}: {op.target} ({op.module or 'top level'}) views {whose} fused "
             f"projection's output {list(op.inputs[0].type.shape)}, placed {placed}, as "
             f"{what}{heads} heads {list(op.outputs[0].type.shape)}: {heads} heads do not "
             f"divide over mesh dim {name!r} of size {n} of {self.mesh}, so a rank would not "
