@@ -60,6 +60,8 @@ STRATEGIES = {
     "ep2": "mesh: {shape: [2], dim_names: [ep]}\nexpert_parallel: {axis: ep}\n",
     "dp2_ep2": "mesh: {shape: [2, 2], dim_names: [dp, ep]}\ndata_parallel: {axis: dp}\n"
                "expert_parallel: {axis: ep}\n",
+    "pp2_ep2": "mesh: {shape: [2, 2], dim_names: [pp, ep]}\nexpert_parallel: {axis: ep}\n"
+               "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2, split: auto}\n",
     # experts split over the data-parallel ranks: tokens reach them by all-to-all
     "ep2_on_dp": "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
                  "expert_parallel: {axis: dp}\n",
@@ -114,7 +116,7 @@ def _train(name: str, strategy: str, data: list) -> tuple[list[float], torch.nn.
 
 # both models under each kind of parallelism; the compositions with Mixtral (test time)
 RUNS = [(name, strategy) for name in MODELS for strategy in ("serial", "dp2", "pp2", "ep2")]
-RUNS += [("mixtral", "dp2_ep2"), ("mixtral", "ep2_on_dp")]
+RUNS += [("mixtral", "dp2_ep2"), ("mixtral", "pp2_ep2"), ("mixtral", "ep2_on_dp")]
 
 
 @pytest.mark.parametrize("name, strategy", RUNS)
