@@ -261,9 +261,10 @@ def _masked(dist: DistAttr | None, m: int) -> DistAttr | None:
 
 
 class GroupedCut:
-    """``split`` / ``cat`` along a dim: the spec's rule (the cut dim replicated), except on
-    a mesh dim where the cut falls on the boundaries of a grouped shard. There the cut dim
-    keeps its shard at no cost and the other mesh dims infer as the spec says.
+    """``split`` / ``slice`` / ``cat`` / ``slice_backward`` along a dim: the spec's rule
+    (the cut dim replicated), except on a mesh dim where the cut falls on the boundaries of
+    a grouped shard. There the cut dim keeps its shard at no cost and the other mesh dims
+    infer as the spec says.
 
     ``groups_of(op, placement, input)`` -> (groups each input needs, groups each output
     gets) from one tensor's shard of the cut dim, or None where the cut does not fit it.
