@@ -51,7 +51,15 @@ def qwen2_moe() -> torch.nn.Module:
         num_experts=4, norm_topk_prob=False, **TINY))
 
 
-MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
+def mixtral_aux() -> torch.nn.Module:
+    """Mixtral with its load-balancing loss (counts of routed tokens per expert: a
+    histogram of the whole batch; a pipeline refuses it, its micro-batches would change it)."""
+    model = mixtral()
+    model.config.output_router_logits = True
+    return model
+
+
+MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "mixtral_aux": mixtral_aux}
 STRATEGIES = {
     "serial": "",
     "dp2": "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n",
@@ -115,8 +123,10 @@ def _train(name: str, strategy: str, data: list) -> tuple[list[float], torch.nn.
 
 
 # both models under each kind of parallelism; the compositions with Mixtral (test time)
-RUNS = [(name, strategy) for name in MODELS for strategy in ("serial", "dp2", "pp2", "ep2")]
-RUNS += [("mixtral", "dp2_ep2"), ("mixtral", "pp2_ep2"), ("mixtral", "ep2_on_dp")]
+RUNS = [(name, strategy) for name in ("mixtral", "qwen2_moe")
+        for strategy in ("serial", "dp2", "pp2", "ep2")]
+RUNS += [("mixtral", "dp2_ep2"), ("mixtral", "pp2_ep2"), ("mixtral", "ep2_on_dp"),
+         ("mixtral_aux", "dp2_ep2")]
 
 
 @pytest.mark.parametrize("name, strategy", RUNS)
@@ -256,9 +266,9 @@ def test_expert_parallel_section_is_strict():
                                   "expert_parallel: {axis: ep}\n")
 
 
-def _scatter_cases() -> list[tuple[str, tuple]]:
+def _routing_cases() -> list[tuple[str, tuple]]:
     """The scatters routing makes (topk's backward: zeros scattered along the expert dim)
-    and their siblings, with concrete arguments."""
+    and their siblings, and the histogram of routed experts, with concrete arguments."""
     g = torch.Generator().manual_seed(0)
     index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])    # [6, 2]
     rows = torch.tensor([3, 0, 3, 1])
@@ -275,6 +285,8 @@ def _scatter_cases() -> list[tuple[str, tuple]]:
                                     torch.randn(4, 3, generator=g))),
         ("aten.index_add.default", (torch.randn(3, 5, generator=g), 1, rows,
                                     torch.randn(3, 4, generator=g))),
+        # tokens per expert, as a load-balancing loss counts them
+        ("aten.histc.default", (index.float(), 4, 0, 4)),
     ]
 
 
@@ -283,17 +295,18 @@ def _placements_for(x: torch.Tensor, is_index: bool) -> list[Placement]:
                                                                   else [Partial("sum")])
 
 
-@pytest.mark.parametrize("case", range(len(_scatter_cases())))
-def test_scatter_rules_hold_on_every_placement(case):
+@pytest.mark.parametrize("case", range(len(_routing_cases())))
+def test_routing_rules_hold_on_every_placement(case):
     """For every placement of the inputs on two ranks, the rule's needs run as the plain op
     on each rank's pieces assemble, by the rule's output placement, into the global result."""
-    target, args = _scatter_cases()[case]
+    target, args = _routing_cases()[case]
     op = make_op(target, *[T(*a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
                            for a in args])
     want = resolve(target)(*args)
     mesh = ProcessMesh([0, 1], dim_names=["x"])
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    choices = [_placements_for(args[i], args[i].dtype == torch.int64) for i in tensors]
+    choices = [_placements_for(args[i], is_index=not args[i].is_floating_point())
+               for i in tensors]
     for placed in itertools.product(*choices):
         decision = lookup(op).forward(op, [DistAttr(mesh, (p,)) for p in placed], mesh)
         per_rank = {}
@@ -310,3 +323,18 @@ def test_scatter_rules_hold_on_every_placement(case):
         got = assemble(per_rank, want.shape, mesh, out.placements)
         torch.testing.assert_close(got, want, msg=lambda m, placed=placed, d=decision:
                                    f"{target} {placed} -> needs {d.needs}, out {d.outputs}: {m}")
+
+
+def test_moe_evaluates_like_eager_with_experts_on_the_dp_axis():
+    data = _data()
+    model, reference = _built("mixtral"), _built("mixtral").eval()
+    model.config.use_cache = False        # eval programs return tensors, not a KV cache
+    engine = ap.Engine(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=ap.Strategy.from_yaml_str(
+                           STRATEGIES["ep2_on_dp"] + "debug: {simulate: true}\n"))
+    got = engine.evaluate(data, batch_size=BATCH)["loss"]
+    with torch.no_grad():
+        want = [reference(**_batch(data[i:i + BATCH])[0],
+                          labels=_batch(data[i:i + BATCH])[1]).loss
+                for i in range(0, len(data), BATCH)]
+    torch.testing.assert_close(torch.tensor(got), torch.stack(want).mean(), **TOL)

@@ -5,6 +5,7 @@ from . import (  # noqa: F401
     conv,
     embedding,
     factory,
+    histogram,
     loss,
     matmul,
     misc,
