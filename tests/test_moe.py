@@ -338,3 +338,36 @@ def test_moe_evaluates_like_eager_with_experts_on_the_dp_axis():
                           labels=_batch(data[i:i + BATCH])[1]).loss
                 for i in range(0, len(data), BATCH)]
     torch.testing.assert_close(torch.tensor(got), torch.stack(want).mean(), **TOL)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: transformers.models.mixtral.modeling_mixtral.MixtralExperts(
+        transformers.MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4)),
+    # biases, [experts, in, out] weights, an interleaved clamped gate
+    lambda: transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(
+        transformers.GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4)),
+    # no gate: up_proj and an activation
+    lambda: transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts(
+        transformers.NemotronHConfig(hidden_size=16, moe_intermediate_size=8,
+                                     n_routed_experts=4)),
+], ids=["mixtral", "gpt_oss", "nemotron_h"])
+def test_dense_dispatch_equals_each_experts_layout_eager_loop(build):
+    """The dense dispatch against the experts class's own eager loop, for the layouts the
+    transformers interface describes (values and gradients)."""
+    from autopar.ir.experts import dense_experts_forward, is_hf_experts
+    torch.manual_seed(0)
+    experts = build()
+    assert is_hf_experts(experts)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(10, 16, requires_grad=True)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, requires_grad=True)
+    seed = torch.randn(10, 16)
+    results = []
+    for forward in (type(experts).forward.__wrapped__, dense_experts_forward):
+        out = forward(experts, x, index, weights)
+        grads = torch.autograd.grad((out * seed).sum(), [x, weights, *experts.parameters()])
+        results.append((out, *grads))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, **TOL)
