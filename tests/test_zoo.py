@@ -5,8 +5,9 @@ model's own module names) and a 1F1B pipeline on the simulator: the losses of ev
 equal eager torch's. Planning each under dp2 x tp2 with ``debug.strict_rules`` finds an
 SPMD rule for every op of the joint graph.
 
-Each entry is one builder, its tp plan and the batch it reads; the zoo grows with issue 12
-(BatchNorm CNNs, mixture-of-experts, fused grouped-query projections have their own files).
+Each entry is one builder, its tp plan and the batch it reads. BatchNorm CNNs (Hugging Face
+ResNet: tests/test_sync_batch_norm.py), expert parallelism (tests/test_moe.py) and the
+fused-projection layouts in detail (tests/test_tp_attention_layouts.py) have their own files.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import yaml
 import autopar as ap
 
 transformers = pytest.importorskip("transformers")
+# the mixture-of-experts models say their experts dispatch was swapped for a dense one
+pytestmark = pytest.mark.filterwarnings("ignore::autopar.ir.capture.CaptureNote")
 
 VOCAB, SEQ, BATCH, STEPS = 64, 12, 4, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -28,6 +31,8 @@ DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
 LLAMA_PLAN = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
               "*.o_proj": "rowwise", "*.gate_proj": "colwise", "*.up_proj": "colwise",
               "*.down_proj": "rowwise"}
+ATTENTION_PLAN = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
+                  "*.o_proj": "rowwise"}
 
 
 def lm_batch(ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -85,6 +90,21 @@ ZOO = {
         num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)),
         {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.o": "rowwise",
          "*.wi": "colwise", "*.wo": "rowwise"}, seq2seq_batch),
+    # fused [q | k | v] with 2 key/value heads for 4: unequal groups under tp
+    "phi3": Arch(lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0, **DECODER)),
+        {"*.qkv_proj": "colwise", "*.o_proj": "rowwise", "*.gate_up_proj": "colwise",
+         "*.down_proj": "rowwise"}),
+    # mixture of experts (captured with a dense dispatch); tp on the attention
+    "mixtral": Arch(lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2, **DECODER)),
+        ATTENTION_PLAN),
+    "qwen2_moe": Arch(lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=False, num_key_value_heads=2, **DECODER)),
+        ATTENTION_PLAN | {"*.shared_expert.gate_proj": "colwise",
+                          "*.shared_expert.up_proj": "colwise",
+                          "*.shared_expert.down_proj": "rowwise"}),
     "vit": Arch(lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         image_size=16, patch_size=4, num_labels=5)),
@@ -160,13 +180,27 @@ def test_zoo_architecture_plans_strictly_under_dp2_tp2(arch):
 
 # Attention that runs as one SDPA kernel (grouped-query or not) keeps its heads sharded;
 # attention written as matmuls of [batch * heads] rows (GPT-2, BERT, T5 eager) still gathers.
-LOCAL_HEADS = ["llama", "mistral", "qwen2", "phi", "gpt_neox", "opt", "vit"]
+LOCAL_HEADS = ["llama", "mistral", "qwen2", "phi", "phi3", "gpt_neox", "opt", "mixtral",
+               "qwen2_moe", "vit"]
 
 
 @pytest.mark.parametrize("arch", LOCAL_HEADS)
 def test_zoo_tensor_parallel_moves_no_activations_but_the_row_parallel_sums(arch):
     data = _data(ZOO[arch])
     engine = _engine(ZOO[arch], _strategy("tp2", ZOO[arch]))
+    inputs, labels = data[0]
+    program = engine.prepare({k: torch.stack([v] * BATCH) for k, v in inputs.items()},
+                             torch.stack([labels] * BATCH))
+    moved = [op for op in program.ops if op.target in ("comm.all_gather", "comm.all_to_all")]
+    assert not moved, [f"{op.module}: {op.inputs[0].type}" for op in moved]
+
+
+@pytest.mark.parametrize("arch", list(ZOO))
+def test_zoo_data_parallel_moves_no_activations(arch):
+    """Under dp2 only gradients (and BatchNorm statistics) are reduced: no all-gather or
+    all-to-all of anything the step computes."""
+    data = _data(ZOO[arch])
+    engine = _engine(ZOO[arch], _strategy("dp2", ZOO[arch]))
     inputs, labels = data[0]
     program = engine.prepare({k: torch.stack([v] * BATCH) for k, v in inputs.items()},
                              torch.stack([labels] * BATCH))
