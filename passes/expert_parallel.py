@@ -1,14 +1,19 @@
-"""Pin the experts' weights ``Shard(0)`` on the ``expert_parallel`` mesh dim.
+"""Expert parallelism: pin the experts' weights ``Shard(0)`` on the ``expert_parallel``
+mesh dim.
 
 An experts module holds its experts' weights stacked, ``[experts, out, in]``, and applies
 them with one batched matmul over the expert dim (autopar captures transformers' experts
 modules that way, ``ir/experts.py``: every expert on every token, each token's output the
 sum over experts of its routing weight times the expert's output). Sharding that dim is
 expert parallelism: each rank holds its experts (and their gradients and optimizer state)
-and computes them; completion then makes the experts' output Partial(sum) over the dim,
-one all-reduce of a token's output (and of its input gradient in the backward) per layer.
-The tokens need no all-to-all: the batch is not split on this dim, so every rank already
-holds every token it runs its experts on.
+and computes them, and the module's output is a sum over ranks.
+
+* On a mesh dim of its own, every rank of it holds every token, so no token moves: the
+  module's output, and in the backward the gradients of its inputs (tokens, routing
+  weights), are pinned Replicate on the dim where the module hands them out, three
+  all-reduces per layer, and the rest of the model plans as without experts.
+* On the data-parallel dim, each rank holds its own tokens: completion sends them to the
+  experts' ranks and back by all-to-all, and reduce-scatters the output to its tokens.
 
 Found by what the graph does, not by names: a parameter of three dims whose first forward
 use (through transposes and views) is a batched matmul over its dim 0 is an expert stack;
@@ -19,8 +24,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..ir import Op, OpKind, Program, StateKind, Value
-from ..ir.attrs import NAME
+from ..ir import Op, OpKind, Program, Role, StateKind, Value
+from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS
 from ..ir.dist import DistAttr, ProcessMesh, Shard
 from ..ir.reason import Reason
 from ..spmd.registry import tensor_inputs
@@ -38,7 +43,8 @@ def expert_parallel(program: Program, ctx: PassContext) -> Program:
         return program
     axis = mesh.dim_index(ep.axis)
     params = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
-    stacks = expert_stacks(params, program.users())
+    users = program.users()
+    stacks = expert_stacks(params, users)
     if not stacks:
         raise AnnotationError(
             f"expert_parallel over {ep.axis!r} ({_describe(mesh)}): no module holds its "
@@ -58,7 +64,56 @@ def expert_parallel(program: Program, ctx: PassContext) -> Program:
             if value.dist is None:   # an explicit shard_tensor wins
                 pin(value, dist, Reason("plan", f"expert_parallel: '{module}' holds "
                                                 f"{experts} experts, dim 0 sharded on {ep.axis}"))
+        if not _tokens_split_on(ctx, ep.axis):
+            _reduce_on_exit(program, module, mesh, axis, users)
     return program
+
+
+def _inside(op: Op, module: str) -> bool:
+    return op.module == module or op.module.startswith(module + ".")
+
+
+def _reduce_on_exit(program: Program, module: str, mesh: ProcessMesh, axis: int,
+                    users: dict[Value, list[Op]]) -> None:
+    """Pin Replicate on the expert dim of what the experts module hands out: its output in
+    the forward, its inputs' gradients (tokens, routing weights) in the backward. Each is a
+    sum over experts, so Partial(sum) over the axis, and reducing it there keeps the rest of
+    the model (attention, norms, their gradients) as it is without experts; left Partial,
+    completion may carry the partial sums on and reduce bigger values later (attention
+    scores in the backward)."""
+    for value, role in _exits(program, module, users):
+        readers = list(users.get(value, ()))
+        note = Op(OpKind.CALL, "autopar.annotate", (value,), outputs=[Value(value.type)],
+                  role=role, module=module, forward_op=value.producer.forward_op,
+                  attrs={DIST: DistAttr.replicated(mesh), PINNED_DIMS: (axis,),
+                         ORIGIN: "expert_parallel"})
+        program.insert_after(value.producer, note)
+        for op in readers:
+            op.map_inputs(lambda v, value=value, note=note: note.result if v is value else v)
+        users[note.result] = readers
+        users[value] = [note]
+
+
+def _exits(program: Program, module: str, users: dict[Value, list[Op]]
+           ) -> list[tuple[Value, Role]]:
+    """Tensors the module's forward (backward) ops make that forward (backward) ops outside
+    it, or the program results, read."""
+    found = []
+    for op in program.ops:
+        if op.kind is not OpKind.CALL or op.role not in (Role.FORWARD, Role.BACKWARD) \
+                or not _inside(op, module):
+            continue
+        found += [(v, op.role) for v in op.outputs if v.is_tensor and any(
+            u.kind is OpKind.OUTPUT or (u.role is op.role and not _inside(u, module))
+            for u in users.get(v, ()))]
+    return found
+
+
+def _tokens_split_on(ctx: PassContext, axis: str) -> bool:
+    """Whether the batch is sharded on the experts' axis (data parallelism over it): then the
+    module's output is each rank's own tokens (reduce-scattered), not every token."""
+    dp = ctx.strategy.data_parallel
+    return dp is not None and dp.is_enabled and dp.axis == axis
 
 
 def expert_stacks(params: dict[str, Value], users: dict[Value, list[Op]]
@@ -96,3 +151,4 @@ def _batched_over_dim0(value: Value, users: dict[Value, list[Op]]) -> bool:
 
 def _describe(mesh: ProcessMesh) -> str:
     return f"mesh {list(mesh.shape)} ({', '.join(mesh.dim_names)})"
+

@@ -225,10 +225,8 @@ def _planned(name: str, strategy: str) -> tuple[ap.Engine, Program]:
 def test_expert_parallel_runs_each_ranks_own_experts(strategy, moves):
     """The expert stacks are Shard(0) (two of four experts per rank, gradients and momentum
     too) and every expert matmul runs on the rank's own experts; planned strictly (every op
-    has a rule). On an axis of its own, where every rank holds every token, the only
-    collective inside an experts module is the all-reduce of the tokens' sum over experts
-    (forward) and of their input gradient (backward); on the data-parallel axis, tokens
-    reach the experts' ranks and come back by all-to-all, never gathered whole."""
+    has a rule). On the data-parallel axis, tokens reach the experts' ranks and come back by
+    all-to-all, never gathered whole."""
     _, program = _planned("mixtral", strategy)
     states = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
     for name, value in states.items():
@@ -238,6 +236,19 @@ def test_expert_parallel_runs_each_ranks_own_experts(strategy, moves):
     assert all(str(op.outputs[0].dist.placements[0]) == "S(0)"
                for op in experts if op.target == "aten.bmm.default")
     assert {op.target for op in experts if op.target.startswith("comm.")} == moves
+
+
+def test_experts_on_their_own_axis_cost_three_all_reduces_per_layer():
+    """Every rank holds every token, so nothing else moves: per layer, the experts' output
+    (forward) and the gradients of their tokens and routing weights (backward) are summed
+    over the axis where the module hands them out; attention, norms and every other
+    gradient stay local."""
+    _, program = _planned("mixtral", "ep2")
+    moved = [(op.target, op.module, op.role.value, op.outputs[0].type.shape)
+             for op in program.ops if op.target.startswith("comm.") and op.target != "comm.slice"]
+    per_layer = [("comm.all_reduce", f"model.layers.{i}.mlp.experts", "comm", shape)
+                 for i in (0, 1) for shape in ((BATCH * SEQ, 32),) * 2 + ((BATCH * SEQ, 2),)]
+    assert sorted(moved) == sorted(per_layer)
 
 
 def test_expert_parallel_errors_name_the_module_mesh_and_placements():
