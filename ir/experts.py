@@ -56,15 +56,15 @@ def dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     ``top_k_index`` / ``top_k_weights`` [tokens, k]) with static shapes; see the module
     docstring for why it equals eager's math."""
     experts, (tokens, hidden) = self.num_experts, hidden_states.shape
-    # The gate and the post-expert norm are written for [rows, features] but act on the last
-    # dim (every transformers experts class's do), so they take [experts, tokens, features]
-    # as it is: flattening it would merge the expert dim with the token dim and undo the
-    # sharding of both (expert parallelism, data parallelism).
     # combine[t, e]: the weight of expert e for token t, 0 where it was not routed. A
     # comparison with arange, not one_hot: one_hot checks the index range on values.
     routed = top_k_index.unsqueeze(-1) == torch.arange(experts, device=top_k_index.device)
     combine = (routed.to(top_k_weights.dtype) * top_k_weights.unsqueeze(-1)).sum(1)
     x = hidden_states.unsqueeze(0).expand(experts, tokens, hidden)
+    # The gate and the post-expert norm are written for [rows, features] but act on the last
+    # dim (every transformers experts class's do), so they take [experts, tokens, features]
+    # as it is: flattening it would merge the expert dim with the token dim and undo the
+    # sharding of both (expert parallelism, data parallelism).
     if self.has_gate:
         h = _linear(x, self.gate_up_proj, self.gate_up_proj_bias if self.has_bias else None,
                     self.is_transposed)
