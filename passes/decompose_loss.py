@@ -1,12 +1,13 @@
-"""Rewrite a mean-reduced ``nll_loss_forward`` into its sum and an explicit division by the
-total weight. Numerically identical on one device (ATen divides the same two numbers), but
-now the sum and the weight are each a plain ``Partial(sum)`` when the batch is sharded, so
-data parallelism needs no special loss rule: the global-batch mean falls out of the SPMD
-rules and matches eager even for uneven shards and ignored targets.
+"""Rewrite a mean-reduced ``nll_loss_forward`` (or ``nll_loss2d_forward``: a loss over
+positions, ``[N, C, *spatial]``) into its sum and an explicit division by the total weight.
+Numerically identical on one device (ATen divides the same two numbers), but now the sum and
+the weight are each a plain ``Partial(sum)`` when the batch is sharded, so data parallelism
+needs no special loss rule: the global-batch mean falls out of the SPMD rules and matches
+eager even for uneven shards and ignored targets.
 
-Without class weights the total weight is the number of targets that are not ignored: it
-is counted straight from the labels, at the top of the program, so under data parallel its
-all-reduce can travel during the forward instead of stopping every rank at the loss
+Without class weights the total weight is the number of targets that are not ignored: it is
+counted straight from the labels, at the top of the program, so under data parallel its all-
+reduce can travel during the forward instead of stopping every rank at the loss
 (``bucket_collectives`` makes it asynchronous). ATen counts the same targets in the loss
 dtype, so the value is the same to the bit."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..ir.core import TensorType
 from ..ir.ops import schema_args
 from .context import PassContext
 
-_NLL = "aten.nll_loss_forward.default"
+_NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 _MEAN, _SUM = 1, 2
 _RESHAPES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
              "aten.clone.default", "aten.flatten.using_ints"}
@@ -26,7 +27,7 @@ _RESHAPES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.def
 
 def decompose_loss(program: Program, ctx: PassContext) -> Program:
     for op in list(program.ops):
-        if op.kind is OpKind.CALL and op.target == _NLL \
+        if op.kind is OpKind.CALL and op.target in _NLL \
                 and schema_args(op)["reduction"] == _MEAN:
             _split_mean(program, op)
     return program

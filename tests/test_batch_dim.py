@@ -94,7 +94,8 @@ def _train(text: str, classify: bool = False, mlp: bool = False
     loss_fn = seq_ce if mlp else ce
     reference = copy.deepcopy(model)
     engine = ap.Engine(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
-                       strategy=ap.Strategy.from_yaml_str(text + "debug: {simulate: true}\n"))
+                       strategy=ap.Strategy.from_yaml_str(
+                           text + "debug: {simulate: true, strict_rules: true}\n"))
     got = engine.fit(_loader(classify), verbose=0)["loss"]
     return engine, got, _eager(reference, _loader(classify), loss_fn)
 

@@ -50,6 +50,35 @@ def nll_loss_backward(op: Op) -> Spec:
     return Spec(ins, (b + c,), linear="each", linear_inputs={0})
 
 
+# nll_loss2d: self [N, C, *spatial], target [N, *spatial] (cross entropy over an image's or
+# a sequence's positions, ``F.cross_entropy(logits[B, C, T], y[B, T])``). Every position is
+# a row of its own: the batch and spatial letters shard like nll_loss's batch letter. The
+# class letter stays whole (no class-sharded local form for it).
+def _nll2d_letters(op: Op) -> tuple[str, str, str]:
+    """(self's letters, target's, the class letter)."""
+    full = letters(len(schema_args(op)["self"].type.shape))
+    return full, full[0] + full[2:], full[1]
+
+
+@register("aten.nll_loss2d_forward.default")
+def nll_loss2d_forward(op: Op) -> Spec:
+    full, rows, c = _nll2d_letters(op)
+    reduction = schema_args(op)["reduction"]
+    ins = input_letters(op, {"self": full, "target": rows, "weight": c})
+    out = rows if reduction == NONE else ""
+    whole = set(rows) | {c} if reduction == MEAN else {c}
+    return Spec(ins, (out, ""), replicated=whole, reduce="sum")
+
+
+@register("aten.nll_loss2d_backward.default")
+def nll_loss2d_backward(op: Op) -> Spec:
+    full, rows, c = _nll2d_letters(op)
+    reduction = schema_args(op)["reduction"]
+    ins = input_letters(op, {"grad_output": rows if reduction == NONE else "", "self": full,
+                             "target": rows, "weight": c, "total_weight": ""})
+    return Spec(ins, (full,), replicated={c}, linear="each", linear_inputs={0})
+
+
 # mse_loss(self, target, reduction): elementwise squared errors, then none/sum/mean over all
 # of them. Every letter shards: a sum of pieces is Partial(sum), and the mean's local form
 # divides the local sum by the global count (and the backward scales by the global numel).
