@@ -6,8 +6,8 @@ needs no special loss rule: the global-batch mean falls out of the SPMD rules an
 eager even for uneven shards and ignored targets.
 
 Without class weights the total weight is the number of targets that are not ignored: it is
-counted straight from the labels, at the top of the program, so under data parallel its all-
-reduce can travel during the forward instead of stopping every rank at the loss
+counted straight from the labels, at the top of the program, so under data parallel its
+all-reduce can travel during the forward instead of stopping every rank at the loss
 (``bucket_collectives`` makes it asynchronous). ATen counts the same targets in the loss
 dtype, so the value is the same to the bit."""
 from __future__ import annotations
