@@ -32,10 +32,9 @@ import torch
 
 from .dist import DistAttr
 
-__all__ = ["StateKind", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME", "BATCH_PATH", "STATE",
-           "SLOTS",
-           "CONST", "MULTI", "STRIDES", "DIST", "PINNED_DIMS", "ORIGIN", "COMM_TEXT",
-           "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
+__all__ = ["StateKind", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME", "BATCH_PATH",
+           "REGROUP_DIMS", "STATE", "SLOTS", "CONST", "MULTI", "STRIDES", "DIST", "PINNED_DIMS",
+           "ORIGIN", "COMM_TEXT", "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
 
 T = TypeVar("T")
 
@@ -115,6 +114,9 @@ def check_attrs(attrs: dict) -> None:
 
 
 NAME: Attr[str] = Attr("name", str, "an input's feed name or a state's name")
+REGROUP_DIMS: Attr[tuple] = Attr("regroup_dims", tuple,
+                                 "mesh dims on which a reshape may keep a merged shard as a "
+                                 "grouped shard (passes/regroup_flattens.py)")
 BATCH_PATH: Attr[str] = Attr("path", str, "where a fed tensor sits in (inputs, labels): "
                              "inputs.input_ids, labels", shown=True)
 STATE: Attr[StateKind] = Attr("state", StateKind, "what kind of state a STATE op reads")

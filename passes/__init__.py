@@ -9,6 +9,7 @@
     pin_annotations, tensor_parallel_plan,       the placements the user gave (shard_tensor,
       sequence_parallel, shard_batch               the tp plan, Megatron-SP, the batch)
     split_stages                                 each forward/backward op's pipeline stage
+    regroup_flattens                             where a reshape may keep a merged shard
     completion                                   a placement for every value (SPMD rules)
     reshard                                      communication where placements differ
     bucket_collectives, join_gradients           fewer, larger, asynchronous collectives

@@ -29,6 +29,7 @@ from .functionalize_writes import functionalize_writes
 from .join_gradients import join_gradients
 from .lower_optimizer import lower_optimizer
 from .pin_annotations import pin_annotations
+from .regroup_flattens import regroup_flattens
 from .reshard import reshard
 from .schedule_pipeline import format_schedule, schedule_pipeline
 from .sequence_parallel import sequence_parallel
@@ -80,6 +81,7 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("sequence_parallel", sequence_parallel, needs=(F.MESH,)),
     _pass("shard_batch", shard_batch, needs=(F.MESH,)),
     _pass("split_stages", split_stages, needs=(F.MESH,), makes=(F.STAGES,)),
+    _pass("regroup_flattens", regroup_flattens, needs=(F.MESH,)),
     _pass("completion", completion, needs=(F.MESH,), makes=(F.PLACED,),
           reports=(("explain", _explanations),)),
     _pass("reshard", reshard, needs=(F.PLACED,), makes=(F.RESHARDED,)),

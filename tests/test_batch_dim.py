@@ -1,9 +1,10 @@
 """A batch dim other than 0: ``nn.TransformerEncoder`` in torch's default ``[seq, batch,
-feature]`` layout, and a seq-first MLP, fed ``[seq, batch]`` token ids, trained under data
-parallelism with ``batch_dim: 1`` equal eager torch; per-tensor batch dims by path
-(``{inputs: 1, labels: 0}``). A batch dim that names no tensor or no dim is refused, and so
-is micro-batching a model that merges ``[seq, batch]`` into rows (every Linear on a
-seq-first activation does), naming the reshape that does it."""
+feature]`` layout, and a seq-first MLP, fed ``[seq, batch]`` token ids, trained with
+``batch_dim: 1`` under data parallelism and a 1F1B pipeline equal eager torch and move no
+activation (the rows of a seq-first Linear keep the batch chunk of every position as a
+grouped shard); per-tensor batch dims by path (``{inputs: 1, labels: 0}``). A batch dim that
+names no tensor or no dim is refused, and so is micro-batching such rows when dp cuts the
+batch too, naming the reshape."""
 from __future__ import annotations
 
 import copy
@@ -110,28 +111,29 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("name,mlp", [("dp2", False), ("dp2", True)])
+@pytest.mark.parametrize("name,mlp", [("dp2", False), ("dp2", True), ("pp2", False),
+                                      ("pp2", True)])
 def test_seq_first_models_train_like_eager_with_batch_dim_1(name, mlp):
     engine, got, want = _train(STRATEGIES[name], mlp=mlp)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
     program = engine.programs()["train0"]
     ids = next(op for op in program.ops_of(OpKind.INPUT)).outputs[0]
     assert "S(1)" in str(ids.dist)
-    # the ids themselves are never gathered: the embedding reads its own batch columns (a
-    # reshape that merges [seq, batch] into rows still gathers: see the README)
-    assert not [op for op in program.ops if op.target == "comm.all_gather"
-                and op.inputs[0] is ids]
+    # nothing the step computes is gathered: a reshape that merges [seq, batch] into rows
+    # keeps the batch chunk of every position (a grouped shard), and so does its inverse
+    assert not [op for op in program.ops if op.target in ("comm.all_gather",
+                                                          "comm.all_to_all")]
 
 
-@pytest.mark.parametrize("name", ["pp2", "dp2_pp2"])
 @pytest.mark.parametrize("mlp,where", [(False, "encoder.layers.0.self_attn"), (True, "blocks.0")])
-def test_micro_batching_a_merge_of_seq_and_batch_is_refused_by_the_op(name, mlp, where):
+def test_micro_batching_a_merge_of_seq_and_batch_cut_twice_is_refused_by_the_op(mlp, where):
     """A Linear on ``[seq, batch, feature]`` runs as a matmul of ``[seq * batch, feature]``
-    rows: the batch is not a leading block of those rows, so a micro-batch's rows are not a
-    piece of them (a strided-shard placement would be; autopar has none yet)."""
+    rows. With the batch cut by one mesh dim those rows are a grouped shard (the batch chunk
+    of every position); cut by two (dp, then the micro-batches) they are not a layout autopar
+    has, and the pipeline refuses, naming the reshape."""
     with pytest.raises(ValueError, match=rf"aten.view.default \({where}\) "
                                          r"needs the whole batch.*over mb.*merges the batch"):
-        _train(STRATEGIES[name], mlp=mlp)
+        _train(STRATEGIES["dp2_pp2"], mlp=mlp)
 
 
 def test_a_batch_dim_per_fed_tensor():

@@ -25,9 +25,11 @@ unsqueeze/squeeze must still line up with the global one.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from ...ir.attrs import REGROUP_DIMS
 from ...ir.core import Op
 from ...ir.dist import (
     DistAttr,
@@ -474,6 +476,29 @@ def _regrouped(src: Sequence[int], dst: Sequence[int], dist: DistAttr | None
     return None
 
 
+def _flattened(src: Sequence[int], dst: Sequence[int], dist: DistAttr | None,
+               allowed: Sequence[int]) -> tuple[int, Shard, Shard] | None:
+    """(mesh dim, its shard of ``src``, the grouped shard of ``dst``) for the first mesh dim
+    in ``allowed`` (``passes/regroup_flattens.py``: dims that shard no weight) whose plain
+    shard of a dim a reshape merges with the dims before it: ``[T, B, E] -> [T*B, E]`` with
+    ``B`` sharded is ``S(0)xT``, each rank holding its ``B`` chunk of every ``t``. The dim
+    must split evenly (a group's chunk is then the dim's chunk times the dims after it),
+    and no other dim of the merge may be cut."""
+    if dist is None:
+        return None
+    for m in allowed:
+        p = dist.placements[m]
+        cut = _only_cut(dist, p.dim) if p.is_shard() else None
+        if cut is None or cut[0] != m or p.groups != 1 or src[p.dim] % dist.mesh.shape[m]:
+            continue
+        ins, outs = next(g for g in view_groups(src, dst) if p.dim in g[0])
+        others_cut = any(q.is_shard() and q.dim in ins and q.dim != p.dim
+                         for q in dist.placements)
+        if len(outs) == 1 and ins[0] != p.dim and not others_cut:
+            return m, p, Shard(outs[0], math.prod(src[i] for i in ins if i < p.dim))
+    return None
+
+
 def _ungrouped(op: Op, dist: DistAttr | None) -> tuple[int, Shard, Shard] | None:
     """(mesh dim, the input's shard, the grouped shard of the output) where ``op`` undoes
     its forward op's regrouping (the gradient of ``qkv.view(B, T, 3, H, hd)`` flattened
@@ -504,7 +529,8 @@ class GroupedView:
                 available=None) -> Decision:
         ins, outs = self._types(op)
         hit = _regrouped(_shape(op), _out_shape(op), in_dists[0]) or \
-            _ungrouped(op, in_dists[0])
+            _ungrouped(op, in_dists[0]) or \
+            _flattened(_shape(op), _out_shape(op), in_dists[0], op.attrs.get(REGROUP_DIMS, ()))
         if hit is None:
             return infer_forward(view(op), mesh, ins, outs, in_dists, describe(op), available)
         m, before, after = hit
