@@ -164,6 +164,8 @@ class _Jobs:
         for op in self.program.ops:
             if op.kind is OpKind.CALL and op.target.startswith("optim."):
                 param = op.args[0]
+                while param.producer.target.startswith("comm."):   # ZeRO slices it first
+                    param = param.producer.args[0]
                 stages = self._stages_using(param)
                 if not stages:
                     raise PipelineError(f"{op.target} ({op.module or '-'}): its parameter is "

@@ -39,6 +39,7 @@ from .split_stages import split_stages
 from .sync_batch_norm import sync_batch_norm
 from .tensor_parallel_plan import tensor_parallel_plan
 from .vocab_parallel_loss import vocab_parallel_loss
+from .zero_sharding import zero_sharding
 
 PassFn = Callable[[Program, PassContext], Program]
 Report = Callable[[Program, PassContext], str]
@@ -78,6 +79,7 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("pin_annotations", pin_annotations, needs=(F.MESH,)),
     _pass("tensor_parallel_plan", tensor_parallel_plan, needs=(F.MESH,)),
     _pass("expert_parallel", expert_parallel, needs=(F.MESH,)),
+    _pass("zero_sharding", zero_sharding, needs=(F.MESH,)),
     _pass("sequence_parallel", sequence_parallel, needs=(F.MESH,)),
     _pass("shard_batch", shard_batch, needs=(F.MESH,)),
     _pass("split_stages", split_stages, needs=(F.MESH,), makes=(F.STAGES,)),
