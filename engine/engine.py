@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from ..ir import Program, Slot
 from ..ir.capture import StepSpec, flatten_batch
 from ..lower.lowering import lower_program
+from ..lower.memory import MemoryEstimate
 from ..passes.explain import explain_value, summarize
 from ..passes.parallel_layout import ParallelLayout
 from ..pipeline.timeline import chrome_trace
@@ -87,6 +88,14 @@ class Engine:
         """Plan the program for a sample (global) batch without running it: in one plain
         process, for any mesh size. Dumps are written; ``explain`` answers questions."""
         return self.planner.plan(mode, inputs, labels).program
+
+    def cost(self, inputs: Any, labels: Any = None, mode: str = "train"
+             ) -> dict[int, MemoryEstimate]:
+        """Plan the step for a sample (global) batch without running it and return each
+        rank's predicted memory: bytes of parameters, gradients, optimizer state, buffers,
+        peak activations and communication buffers, and the predicted peak
+        (``format_estimates`` prints them as a table)."""
+        return self.planner.memory(self.planner.plan(mode, inputs, labels))
 
     def explain(self, what: str, mode: str = "train") -> str:
         """Why a value of the last planned ``mode`` program has its placement, traced back

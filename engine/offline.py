@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import NoReturn
 
+from ..lower.memory import format_estimates
 from ..strategy import DUMP_DIR_ENV
 from .launch import (
     PLAN_EXPLAIN_ENV,
@@ -64,7 +65,8 @@ def finish_offline_plan(engine, mode: str, offline: OfflinePlanning, inputs,
     (the plan at a glance, where the dumps are, the explanations asked for, and the first
     divergence from one device when asked) and end the process, which ran only to be
     planned."""
-    lines = [engine.summary(mode),
+    lines = [engine.summary(mode), format_estimates(engine.planner.memory(
+                 engine.planner.plan(mode, inputs, labels))),
              f"dumps: {engine.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
     lines += [f"\nexplain {what}:\n{engine.explain(what, mode)}" for what in offline.explain]
     if offline.locate_divergence and mode == "train":

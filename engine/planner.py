@@ -21,6 +21,7 @@ from ..ir.attrs import NAME
 from ..ir.capture import StepSpec, capture
 from ..lower.executable import Lowered
 from ..lower.lowering import Dump, lower_program
+from ..lower.memory import MemoryEstimate, check_memory_limit, estimate_memory, format_estimates
 from ..passes.context import PassContext, PlanInputs, PlanState
 from ..passes.manager import PassManager
 from ..passes.parallel_layout import ParallelLayout
@@ -98,7 +99,26 @@ class Planner:
             self.dump_dir, "" if mode == "train" else f"{mode}_", len(manager.passes) + 1)
         lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
                                 self._processes(facts), dump, check=self.strategy.debug.verify)
-        return PlannedStep(captured.spec, program, facts, dict(manager.timings), lowered)
+        step = PlannedStep(captured.spec, program, facts, dict(manager.timings), lowered)
+        if dump is not None or self.strategy.memory_limit_gb is not None:
+            estimates = self.memory(step)
+            if dump is not None:
+                for process, est in estimates.items():
+                    dump.write(process, "memory", format_estimates({process: est}) + "\n")
+            check_memory_limit(estimates, self.strategy.memory_limit_gb,
+                               f"planning the {mode} step")
+        return step
+
+    def memory(self, step: PlannedStep) -> dict[int, MemoryEstimate]:
+        """Every process's plan-time memory estimate (lowering the ones not lowered yet,
+        for this report only)."""
+        lowered, facts = step.lowered, step.facts
+        mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
+        every = [0] if mesh is None else sorted(int(p) for p in mesh.process_ids)
+        if any(p not in lowered.processes for p in every):
+            lowered = lower_program(step.program, facts.mesh, facts.pipeline, facts.schedule,
+                                    None, None, check=False)
+        return estimate_memory(lowered)
 
     def _processes(self, facts: PlanState) -> list[int] | None:
         if self.process is not None:

@@ -56,6 +56,7 @@ class PipelineSimulator:
             raise ValueError(f"pipeline simulator: processes at (pp, coordinate) {missing[:4]} "
                              "were not lowered")
         self.peak_activation_bytes: list[int] = [0] * layout.ranks
+        self.meter = None     # a runtime.memory.PipelineMeter counts live bytes when set
 
     def peaks(self) -> list[int]:
         """Each pipeline rank's peak activation bytes of the last step."""
@@ -135,6 +136,9 @@ class PipelineSimulator:
                   for c in self.coords}
         pending_rng = None
         outs = {}
+        if self.meter is not None:
+            for c in self.coords:
+                self.meter.start(rank, c, programs[c])
         for i, first in enumerate(first_job.program.ops):
             ops = {c: programs[c].ops[i] for c in self.coords}
             comm = first_job.comms.get(i)
@@ -167,6 +171,9 @@ class PipelineSimulator:
                 for c, op in ops.items():
                     values = [envs[c][v] for v in op.args]
                     outs[c] = stores[(rank, c)].absorb(job, op.attrs[SLOTS], values)
+            if self.meter is not None:
+                for c, op in ops.items():
+                    self.meter.after(rank, c, i, op, envs[c], stores[(rank, c)])
         return outs
 
     # -- state ---------------------------------------------------------------------------------

@@ -93,6 +93,9 @@ class Strategy(BaseModel):
     # How long a rank waits in one collective or message before it fails (torch's default
     # for gloo and NCCL): a peer that hangs instead of dying stops the job after this long.
     collective_timeout_s: float = Field(default=1800.0, gt=0, le=7 * 24 * 3600)
+    # Per-rank memory budget in GiB: planning fails, naming the biggest holders, when a
+    # rank's predicted peak (``engine.cost``) exceeds it. None: no check.
+    memory_limit_gb: float | None = Field(default=None, gt=0)
 
     # ---- construction -------------------------------------------------------------------
 

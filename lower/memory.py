@@ -1,0 +1,318 @@
+"""Plan-time memory estimate: what each lowered process holds, per category, and its peak.
+
+Computed from a process's lowered program alone (local shapes and dtypes; nothing runs):
+
+* state pieces (parameters, buffers, optimizer state, constants) are held for the whole
+  step: the runtime's state dict keeps them, and the optimizer updates them in place;
+* every other value is live from the op that produces it to its last use (the generated
+  code ``del``s it there; results live to the end), and values that alias one buffer (views,
+  the results of ops that write their inputs in place) hold it while any of them lives;
+* gradients are the values the optimizer ops read as gradients (or ``grad`` results);
+* communication buffers are the results of comm ops;
+* a pipeline process's jobs: the activations held between jobs (carries of every
+  micro-batch in flight, replayed over the process's job order) plus the job's own peak.
+
+The predicted peak is the largest, over the program's points (after each op, before its
+dead inputs are freed), of state bytes plus live bytes. Kernels' internal scratch memory
+is not counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ir import OpKind, Program, Value
+from ..ir.attrs import NAME, STATE, StateKind
+from ..ir.ops import op_info
+from ..ir.printer import value_names
+from ..reshard.steps import AllGather
+from .executable import Lowered, PipelineProcess, RankProgram
+from .pipeline_jobs import STEP
+
+__all__ = ["Holder", "MemoryEstimate", "estimate_memory", "estimate_process",
+           "MemoryLimitError", "check_memory_limit", "format_estimates"]
+
+_GIB = 1024 ** 3
+
+
+class MemoryLimitError(RuntimeError):
+    """A plan whose predicted per-rank peak exceeds the strategy's ``memory_limit_gb``."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One value or state piece held at a process's peak."""
+
+    what: str              # a state's name, or a value's dump name (%12) and its op
+    module: str
+    shape: tuple[int, ...]
+    bytes: int
+
+
+@dataclass
+class MemoryEstimate:
+    """What one process holds (bytes), by category, and its predicted peak."""
+
+    process: int
+    params: int = 0
+    grads: int = 0
+    optimizer_state: int = 0
+    buffers: int = 0                 # module buffers and constants
+    activations: int = 0             # peak of live values that are neither state nor grads
+    comm_buffers: int = 0            # peak of live results of comm ops
+    peak: int = 0
+    holders: list[Holder] = field(default_factory=list)    # biggest at the peak, largest first
+
+    def row(self) -> str:
+        cells = [self.params, self.grads, self.optimizer_state, self.buffers,
+                 self.activations, self.comm_buffers, self.peak]
+        return f"{self.process:>4} " + " ".join(f"{_fmt(c):>10}" for c in cells)
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GiB", _GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n}B"
+
+
+def format_estimates(estimates: dict[int, MemoryEstimate]) -> str:
+    """The per-rank table (``engine.cost``, the ``plan`` CLI, the ``memory`` dump)."""
+    head = (f"{'rank':>4} " + " ".join(f"{h:>10}" for h in (
+        "params", "grads", "optim", "buffers", "activ", "comm", "peak")))
+    return "\n".join(["memory per rank (predicted):", head]
+                     + [estimates[p].row() for p in sorted(estimates)])
+
+
+def value_bytes(v: Value) -> int:
+    if not v.is_tensor:
+        return 0
+    n = 1
+    for s in v.type.shape:
+        n *= int(s)
+    return n * _itemsize(v.type.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# -- buffers: which values share storage ----------------------------------------------------
+
+def _aliases(program: Program) -> dict[Value, Value]:
+    """Each tensor value's buffer root: a view's is its input's; an op that writes inputs in
+    place (the optimizer's) returns them, matched to a state input of the same shape and
+    dtype (state first: a gradient of the same shape is read, not written)."""
+    root: dict[Value, Value] = {}
+    for op in program.ops:
+        tensors = [v for v in op.inputs if v.is_tensor]
+        outs = [v for v in op.outputs if v.is_tensor]
+        info = op_info(op.target) if op.kind is OpKind.CALL else None
+        if info is not None and info.view and tensors:
+            for v in outs:
+                root[v] = root.get(tensors[0], tensors[0])
+        elif info is not None and info.mutates:
+            free = sorted(tensors, key=lambda v: not _is_state(root.get(v, v)))
+            for v in outs:
+                match = next((t for t in free if t.type.shape == v.type.shape
+                              and t.type.dtype == v.type.dtype), None)
+                if match is not None:
+                    free.remove(match)
+                    root[v] = root.get(match, match)
+    return root
+
+
+def _is_state(v: Value) -> bool:
+    return v.producer is not None and v.producer.kind is OpKind.STATE
+
+
+def _last_uses(program: Program, root: dict[Value, Value]) -> dict[Value, int]:
+    """Each buffer's last op (results: past the end)."""
+    end = len(program.ops)
+    last: dict[Value, int] = {}
+    for i, op in enumerate(program.ops):
+        for v in list(op.outputs) + list(op.inputs):
+            if v.is_tensor:
+                r = root.get(v, v)
+                last[r] = end if op.kind is OpKind.OUTPUT else max(last.get(r, i), i)
+    return last
+
+
+def _grads(program: Program) -> set[Value]:
+    found = {v for slot, v in program.results() if slot.kind == "grad" and v.is_tensor}
+    for op in program.ops_of(OpKind.CALL):
+        if op.target.startswith("optim.") and len(op.args) > 1 and isinstance(op.args[1], Value):
+            found.add(op.args[1])
+    return found
+
+
+# -- one program ----------------------------------------------------------------------------
+
+@dataclass
+class _Liveness:
+    state: dict[Value, int]                # state roots -> bytes (held throughout)
+    peak_live: int                         # largest live non-state bytes at a point
+    at_peak: list[Value]                   # the live buffers there
+    grads_peak: int
+    activations_peak: int
+    comm_peak: int
+
+
+def _liveness(program: Program, extra: int = 0, carried: frozenset[str] = frozenset()
+              ) -> _Liveness:
+    """Liveness of one program over ``extra`` bytes held outside it; ``carried``: the
+    inputs that are such held values (a pipeline job's carried-in activations)."""
+    root = _aliases(program)
+    last = _last_uses(program, root)
+    grads = {root.get(g, g) for g in _grads(program)}
+    state = {op.result: value_bytes(op.result) for op in program.ops_of(OpKind.STATE)
+             if op.result.is_tensor}
+    outside = {op.result for op in program.ops_of(OpKind.INPUT) if op.attrs[NAME] in carried}
+    live: dict[Value, int] = {}
+    comm: set[Value] = set()
+    best = _Liveness(state, 0, [], 0, 0, 0)
+    dying: dict[int, list[Value]] = {}
+    for r, i in last.items():
+        dying.setdefault(i, []).append(r)
+    for i, op in enumerate(program.ops):
+        for v in op.outputs:
+            r = root.get(v, v)
+            if v.is_tensor and r not in state and r not in outside and r not in live:
+                live[r] = value_bytes(r)
+                if op.kind is OpKind.COMM:
+                    comm.add(r)
+        total = sum(live.values()) + extra
+        g = sum(b for r, b in live.items() if r in grads)
+        c = sum(b for r, b in live.items() if r in comm)
+        best.grads_peak = max(best.grads_peak, g)
+        best.comm_peak = max(best.comm_peak, c)
+        best.activations_peak = max(best.activations_peak, total - extra - g - c)
+        if total > best.peak_live:
+            best.peak_live, best.at_peak = total, list(live)
+        for r in dying.get(i, ()):
+            live.pop(r, None)
+    return best
+
+
+def _categorize(est: MemoryEstimate, program: Program, live: _Liveness) -> None:
+    kinds = {StateKind.PARAM: "params", StateKind.OPTIM: "optimizer_state"}
+    for op in program.ops_of(OpKind.STATE):
+        if op.result.is_tensor:
+            cat = kinds.get(op.attrs.get(STATE), "buffers")
+            setattr(est, cat, getattr(est, cat) + value_bytes(op.result))
+
+
+def _holders(program: Program, live: _Liveness, limit: int = 8) -> list[Holder]:
+    names = value_names(program)
+    found = []
+    for v, b in live.state.items():
+        name = v.producer.attrs[NAME]
+        found.append(Holder(name, v.producer.module or name.rpartition(".")[0],
+                            tuple(v.type.shape), b))
+    for v in live.at_peak:
+        op = v.producer
+        found.append(Holder(f"{names.get(v, '?')} = {op.target}", op.module,
+                            tuple(v.type.shape), value_bytes(v)))
+    found.sort(key=lambda h: -h.bytes)
+    return found[:limit]
+
+
+def estimate_process(made: RankProgram | PipelineProcess) -> MemoryEstimate:
+    """One lowered process's estimate."""
+    if isinstance(made, PipelineProcess):
+        return _pipeline_estimate(made)
+    est = MemoryEstimate(made.process)
+    live = _liveness(made.program)
+    _categorize(est, made.program, live)
+    est.grads = sum(value_bytes(g) for g in _grads(made.program))
+    est.activations, est.comm_buffers = live.activations_peak, live.comm_peak
+    est.peak = sum(live.state.values()) + live.peak_live
+    est.holders = _holders(made.program, live)
+    return est
+
+
+def _pipeline_estimate(made: PipelineProcess) -> MemoryEstimate:
+    """A pipeline process: its held state, then its jobs in order, each running on top of
+    what the process keeps between jobs (replaying ``RankStore``: carried activations of
+    the micro-batches in flight until their last reader, sums over micro-batches)."""
+    est = MemoryEstimate(made.process)
+    rank = made.jobs
+    values: dict[tuple[str, int], int] = {}       # kept between jobs: (key, mb) -> bytes
+    terms: dict[str, int] = {}                    # sums over micro-batches being built
+    states: dict[str, tuple[object, int]] = {}
+    best, best_job = 0, None
+    for job in made.order:
+        program = made.programs[job].program
+        _finish(rank, job.phase, values, terms)
+        for op in program.ops_of(OpKind.STATE):
+            if op.result.is_tensor:
+                states.setdefault(op.attrs[NAME], (op.attrs.get(STATE), value_bytes(op.result)))
+        held = sum(values.values()) + sum(terms.values())
+        carried = frozenset(key for key, _ in rank.carried_in.get(job, ()))
+        live = _liveness(program, held, carried)
+        if live.peak_live > best:
+            best, best_job = live.peak_live, (program, live)
+        est.grads = max(est.grads, sum(value_bytes(g) for g in _grads(program)))
+        est.comm_buffers = max(est.comm_buffers, live.comm_peak)
+        est.activations = max(est.activations, live.activations_peak + held)
+        _absorb(rank, job, program, carried, values, terms)
+    kinds = {StateKind.PARAM: "params", StateKind.OPTIM: "optimizer_state"}
+    for kind, size in states.values():
+        cat = kinds.get(kind, "buffers")
+        setattr(est, cat, getattr(est, cat) + size)
+    est.peak = sum(size for _, size in states.values()) + best
+    if best_job is not None:
+        est.holders = _holders(*best_job)
+    return est
+
+
+def _finish(rank, phase, values: dict, terms: dict) -> None:
+    """Sums over micro-batches become values before their once-a-step reader."""
+    for a in rank.accumulations:
+        if a.before is phase and a.input_key in terms:
+            values[(a.output_key, STEP)] = terms.pop(a.input_key)
+
+
+def _absorb(rank, job, program: Program, carried: frozenset[str], values: dict,
+            terms: dict) -> None:
+    """What a job hands on is kept (a carried-in value handed on again shares its buffer);
+    then the kept values it read last are freed."""
+    root = _aliases(program)
+    seen = {op.result for op in program.ops_of(OpKind.INPUT) if op.attrs[NAME] in carried}
+    gathered = {a.input_key for a in rank.accumulations if isinstance(a.step, AllGather)}
+    for slot, v in program.results():
+        r = root.get(v, v)
+        size = 0 if r in seen or _is_state(r) else value_bytes(r)
+        seen.add(r)
+        if slot.kind == "carry":
+            values[(slot.name, job.micro_batch)] = size
+        elif slot.kind == "accumulate":
+            if slot.name not in terms or slot.name in gathered:
+                terms[slot.name] = terms.get(slot.name, 0) + value_bytes(v)
+    for pair in rank.frees.get(job, ()):
+        values.pop(pair, None)
+
+
+def estimate_memory(lowered: Lowered) -> dict[int, MemoryEstimate]:
+    """Every lowered process's estimate, by process id."""
+    return {p: estimate_process(made) for p, made in sorted(lowered.processes.items())}
+
+
+def check_memory_limit(estimates: dict[int, MemoryEstimate], limit_gb: float | None,
+                       where: str) -> None:
+    """Refuse a plan whose predicted peak exceeds ``limit_gb`` on some rank, naming the
+    biggest holders there."""
+    if limit_gb is None:
+        return
+    limit = int(limit_gb * _GIB)
+    over = [e for e in estimates.values() if e.peak > limit]
+    if not over:
+        return
+    worst = max(over, key=lambda e: e.peak)
+    holders = "\n".join(f"  {h.what} ({h.module or 'top level'}) shape {list(h.shape)}: "
+                        f"{_fmt(h.bytes)}" for h in worst.holders)
+    raise MemoryLimitError(
+        f"{where}: predicted peak memory {_fmt(worst.peak)} on rank {worst.process} exceeds "
+        f"memory_limit_gb={limit_gb} ({len(over)} of {len(estimates)} ranks over); the "
+        f"biggest holders there:\n{holders}\n{format_estimates(estimates)}")

@@ -1,0 +1,160 @@
+"""The plan-time memory estimate (``engine.cost``, ``lower.memory``) against the runtime's
+own account of the live tensors of a step (``runtime.memory``), per rank, on the simulator;
+the ``memory_limit_gb`` refusal; the ``plan`` CLI's table."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar import Engine, Strategy
+from autopar.lower.memory import MemoryLimitError, format_estimates
+from autopar.models import GPT, GPTConfig
+from autopar.runtime.memory import PipelineMeter, measure_step
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+VOCAB, SEQ, BATCH = 64, 16, 8
+
+
+def _loss(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _engine(config: str | None, extra: str = "", debug: str = "simulate: true"
+            ) -> tuple[Engine, GPT]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, block_size=SEQ))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    text = (CONFIGS / f"{config}.yaml").read_text() if config else ""
+    strategy = Strategy.from_yaml_str(text + f"\ndebug: {{{debug}}}\n" + extra)
+    return Engine(model, _loss, opt, strategy=strategy), model
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def _measured(engine: Engine, x, y) -> dict[int, int]:
+    """Each rank's peak live bytes over a training step, counted by the runtime."""
+    engine.train_step(x, y)                    # the optimizer's state exists from here on
+    step = engine.planner.plan("train", x, y)
+    if step.lowered.pipeline is not None:
+        step.executor.meter = meter = PipelineMeter(step.lowered)
+        engine.train_step(x, y)
+        return meter.peaks()
+    return measure_step(step.lowered, engine._feeds(x, y, "train"), dict(engine.state.tensors))
+
+
+@pytest.mark.parametrize("config,ranks", [(None, 1), ("dp", 2), ("tp", 2), ("dp_tp", 4),
+                                          ("pp_1f1b", 2)])
+def test_estimate_matches_runtime_within_10_percent(config, ranks):
+    engine, model = _engine(config)
+    x, y = _batch()
+    estimates = engine.cost(x, y)
+    assert sorted(estimates) == list(range(ranks))
+    measured = _measured(engine, x, y)
+    assert sorted(measured) == list(range(ranks))
+    for rank, est in estimates.items():
+        assert abs(est.peak - measured[rank]) <= 0.1 * measured[rank], (
+            f"{config} rank {rank}: predicted {est.peak}, measured {measured[rank]}")
+        # every rank holds its state, and the peak holds more than the state
+        assert est.peak > est.params + est.optimizer_state + est.buffers
+
+
+def _exact_state_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # AdamW: exp_avg and exp_avg_sq like the parameter, and a float32 scalar step each
+    count = len(list(model.parameters()))
+    return params, 2 * params + 4 * count
+
+
+def test_parameter_gradient_and_optimizer_bytes_are_exact():
+    engine, model = _engine(None)
+    params, optim = _exact_state_bytes(model)
+    est = engine.cost(*_batch())[0]
+    assert (est.params, est.grads, est.optimizer_state) == (params, params, optim)
+    # tensor parallelism splits what it shards; the ranks hold the same amounts
+    engine, model = _engine("tp")
+    tp = engine.cost(*_batch())
+    assert tp[0].params == tp[1].params < params
+    assert tp[0].grads == tp[0].params
+    assert tp[0].optimizer_state == 2 * tp[0].params + 4 * count_params(model)
+    # data parallelism replicates them
+    engine, model = _engine("dp")
+    dp = engine.cost(*_batch())
+    assert all((e.params, e.grads, e.optimizer_state) == (params, params, optim)
+               for e in dp.values())
+    # a pipeline's ranks split the model's parameters between them (the tied embedding
+    # is held by both of its stages)
+    engine, model = _engine("pp_1f1b")
+    pp = engine.cost(*_batch())
+    assert params < pp[0].params + pp[1].params <= params + model.wte.weight.numel() * 4
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return len(list(model.parameters()))
+
+
+def test_memory_limit_refuses_before_any_step_naming_the_holders():
+    engine, model = _engine("dp", extra="memory_limit_gb: 0.0001\n")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = _batch()
+    with pytest.raises(MemoryLimitError) as err:
+        engine.train_step(x, y)
+    text = str(err.value)
+    assert "memory_limit_gb=0.0001" in text and "exceeds" in text
+    # the biggest holders at the peak: the MLPs' activations, then the largest weights
+    assert "aten.gelu.default (blocks.0) shape [4, 16, 128]: 32.00KiB" in text
+    assert "blocks.0.fc1.weight (blocks.0.fc1) shape [128, 32]: 16.00KiB" in text
+    assert engine.global_step == 0
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    # a limit the plan fits under plans and trains
+    engine, _ = _engine("dp", extra="memory_limit_gb: 1\n")
+    engine.train_step(x, y)
+
+
+def test_strategy_field_is_validated():
+    with pytest.raises(ValueError):
+        Strategy.from_yaml_str("memory_limit_gb: -1\n")
+    assert Strategy.from_yaml_str("memory_limit_gb: 2.5\n").memory_limit_gb == 2.5
+    assert Strategy().memory_limit_gb is None
+
+
+def test_table_and_dump(tmp_path):
+    engine, _ = _engine("dp", debug=f"simulate: true, dump_dir: {tmp_path}")
+    est = engine.cost(*_batch())
+    table = format_estimates(est)
+    assert "peak" in table and len(table.splitlines()) == 4
+    dumped = sorted((tmp_path / "rank1").glob("*_memory.txt"))
+    assert dumped and "params" in dumped[0].read_text()
+
+
+def test_plan_cli_prints_the_memory_table(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch, torch.nn.functional as F
+        from autopar import Engine, Strategy
+        from autopar.models import GPT, GPTConfig
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss = lambda o, y: F.cross_entropy(o.reshape(-1, o.shape[-1]), y.reshape(-1))
+        engine = Engine(model, loss, opt, strategy=Strategy.from_yaml({str(CONFIGS / 'dp.yaml')!r}))
+        x = torch.randint(0, 32, (4, 8))
+        engine.fit([(a, b) for a, b in zip(x, x)], batch_size=4, verbose=0)
+    """))
+    done = subprocess.run([sys.executable, "-m", "autopar", "plan", str(script),
+                           "--dump-dir", str(tmp_path / "dumps")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "memory per rank (predicted):" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines()
+            if line.strip().startswith(("0 ", "1 "))]
+    assert [r[0] for r in rows][-2:] == ["0", "1"]
