@@ -4,18 +4,25 @@ over the sharding axis (stage >= 1), and for stage 3 the parameters too.
 Nothing else changes: the update rule (``spmd/rules/optimizer.py``) runs where its most
 sharded operand lives, so each rank updates its piece; completion asks the gradient for that
 placement (Partial -> reduce-scatter) and the updated parameter for the parameter's own
-placement (replicated -> all-gather; stage 3 keeps it sharded and reshard gathers it before
-each use). A static plan never needs the whole gradient once the update is sharded, so
-stages 1 and 2 plan the same program: both reduce-scatter.
+placement (replicated -> all-gather). A static plan never needs the whole gradient once the
+update is sharded, so stages 1 and 2 plan the same program: both reduce-scatter.
+
+Stage 3 keeps the parameters sharded too, so nothing gathers the new values; an annotation
+pinning Replicate on the axis just before each phase's first read (forward, and backward
+where the backward reads the parameter itself) makes reshard all-gather it there, instead of
+completion keeping the weight sharded and moving activations. Where the backward reads the
+forward's gathered copy (a saved transpose), that copy lives from forward to backward:
+freeing it after forward and gathering again, and prefetching the next layer's gather, are
+left to a scheduling pass.
 
 Uneven first dims are allowed (``torch.chunk`` pieces); a state that already shards dim 0 on
 another mesh dim (tensor parallelism) is cut further, nested as in DTensor.
 """
 from __future__ import annotations
 
-from ..ir import Program, StateKind, Value
-from ..ir.attrs import NAME
-from ..ir.dist import DistAttr, ProcessMesh, Shard
+from ..ir import Op, OpKind, Program, Role, StateKind, Value
+from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS
+from ..ir.dist import DistAttr, ProcessMesh, Replicate, Shard
 from ..ir.reason import Reason
 from .context import PassContext
 from .pinning import AnnotationError, pin, trivial_dims_replicated
@@ -31,10 +38,6 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
         raise AnnotationError(
             f"sharding stage {sharding.stage} over {sharding.axis!r}: the mesh "
             f"{list(mesh.shape)} ({', '.join(mesh.dim_names)}) has no such axis")
-    if sharding.stage >= 3:
-        raise NotImplementedError(
-            f"sharding stage 3 over {sharding.axis!r} (mesh {list(mesh.shape)}): parameters "
-            "held Shard(0) between steps are not planned yet; stages 1 and 2 are")
     axis = mesh.dim_index(sharding.axis)
     params = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
     for op in program.states(StateKind.OPTIM):
@@ -43,9 +46,32 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
         if param is not None and op.result.type.shape == param.type.shape:
             _pin_shard0(op.result, param, mesh, axis, sharding.stage, f"optimizer state {name!r}")
     if sharding.stage >= 3:
+        users = program.users()
         for name, param in params.items():
             _pin_shard0(param, param, mesh, axis, sharding.stage, f"parameter {name!r}")
+            if param.dist.placements[axis].is_shard():
+                _gather_for_uses(program, name, param, axis, users)
     return program
+
+
+def _gather_for_uses(program: Program, name: str, param: Value, axis: int,
+                     users: dict[Value, list[Op]]) -> None:
+    """Stage 3: the forward reads the parameter gathered on the axis, and the backward gathers
+    it again (an annotation pinning Replicate there, just before each phase's first use), so
+    the gathered copy need not live from forward to backward; the update reads the piece.
+    Without this, completion may keep the weight sharded and move activations instead."""
+    for role in (Role.FORWARD, Role.BACKWARD):
+        readers = [op for op in users.get(param, ()) if op.role is role]
+        if not readers:
+            continue
+        first = min(readers, key=program.ops.index)
+        dist = param.dist.with_placement(axis, Replicate())
+        note = Op(OpKind.CALL, "autopar.annotate", (param,), outputs=[Value(param.type)],
+                  role=role, module=first.module, forward_op=first.forward_op,
+                  attrs={DIST: dist, PINNED_DIMS: (axis,), ORIGIN: f"zero-3 gather {name}"})
+        program.insert_after(program.ops[program.ops.index(first) - 1], note)
+        for op in readers:
+            op.map_inputs(lambda v, note=note: note.result if v is param else v)
 
 
 def _pin_shard0(value: Value, param: Value, mesh: ProcessMesh, axis: int, stage: int,

@@ -26,6 +26,8 @@ from .parity import (
 )
 
 STEPS, BATCH = 4, 6          # 6 rows split unevenly over 4 ranks
+TP_PLAN = ('{"blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise, '
+           '"blocks.*.fc1": colwise, "blocks.*.fc2": rowwise}')
 
 
 def _mse(out, y):
@@ -53,7 +55,7 @@ def _strategy(stage: int, dp: int, tp: int = 1, pp: int = 1, extra: str = "") ->
             f"data_parallel: {{axis: dp}}\nsharding: {{stage: {stage}, axis: dp}}\n"
             "debug: {simulate: true}\n")
     if tp > 1:
-        text += "tensor_parallel: {axis: tp}\n"
+        text += f"tensor_parallel: {{axis: tp, plan: {TP_PLAN}}}\n"
     if pp > 1:
         text += "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 3}\n"
     return ap.Strategy.from_yaml_str(text + extra)
@@ -77,7 +79,7 @@ def _fit_both(model_name: str, optim: str, strategy: ap.Strategy, max_norm: floa
     return engine
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("model_name, optim", [("mlp", "sgd"), ("mlp", "adamw"),
                                                ("gpt", "sgd"), ("gpt", "adamw")])
@@ -85,13 +87,15 @@ def test_zero_trains_like_eager(stage, dp, model_name, optim):
     _fit_both(model_name, optim, _strategy(stage, dp))
 
 
-def test_dp2_tp2_and_pp2_dp2_shard_the_state_over_dp():
-    _fit_both("gpt", "adamw", _strategy(2, 2, tp=2))
-    _fit_both("gpt", "sgd", _strategy(1, 2, pp=2))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dp2_tp2_and_pp2_dp2_shard_over_dp(stage):
+    _fit_both("gpt", "adamw", _strategy(stage, 2, tp=2))
+    _fit_both("gpt", "sgd", _strategy(stage, 2, pp=2))
 
 
-def test_clipping_takes_the_global_norm_of_sharded_gradients():
-    _fit_both("mlp", "adamw", _strategy(2, 4, extra="grad_clip: {max_norm: 0.05}\n"),
+@pytest.mark.parametrize("stage", [2, 3])
+def test_clipping_takes_the_global_norm_of_sharded_gradients(stage):
+    _fit_both("mlp", "adamw", _strategy(stage, 4, extra="grad_clip: {max_norm: 0.05}\n"),
               max_norm=0.05)
 
 
@@ -118,12 +122,15 @@ def test_gradients_are_reduce_scattered_and_parameters_all_gathered(stage):
     assert all(op.role.value == "comm" for op in comms)
 
 
-def test_each_rank_holds_a_quarter_of_the_optimizer_state():
+@pytest.mark.parametrize("stage", [1, 3])
+def test_each_rank_holds_a_quarter_of_the_optimizer_state(stage):
     """Summed over the state pieces of each rank (torch.chunk sizes: 30 rows over 4 ranks
-    are 8, 8, 8, 6), each rank's optimizer state is 1/4 of serial up to the uneven split."""
+    are 8, 8, 8, 6), each rank's optimizer state (stage 3: and parameters) is 1/4 of serial
+    up to the uneven split."""
     from autopar.ir.dist import shard_tensor_local
-    model, program = _planned(2, 4)
-    states = [op.result for op in program.states(StateKind.OPTIM) if op.result.type.shape]
+    model, program = _planned(stage, 4)
+    kinds = (StateKind.OPTIM, StateKind.PARAM) if stage == 3 else (StateKind.OPTIM,)
+    states = [op.result for kind in kinds for op in program.states(kind) if op.result.type.shape]
     serial = sum(torch.Size(v.type.shape).numel() * 4 for v in states)
     per_rank = []
     for rank in range(4):
@@ -136,6 +143,37 @@ def test_each_rank_holds_a_quarter_of_the_optimizer_state():
     assert "head.weight/exp_avg" in names
 
 
-def test_stage_3_is_refused_naming_the_axis_and_mesh():
-    with pytest.raises(NotImplementedError, match=r"stage 3 over 'dp' \(mesh \[4\]\)"):
-        _planned(3, 4)
+def test_stage_3_gathers_each_parameter_for_its_forward_and_keeps_it_sharded():
+    """Parameters live Shard(0) between steps: each is all-gathered once, from its piece,
+    before its forward use (the backward reads the forward's gathered copy), its gradient is
+    reduce-scattered to the piece the update writes, and nothing gathers the new values."""
+    model, program = _planned(3, 4)
+    params = program.states(StateKind.PARAM)
+    assert all(str(op.result.dist.placements[0]) == "S(0)" for op in params)
+    gathers = [op for op in program.ops if op.target == "comm.all_gather"]
+    assert sorted(op.args[0].producer.attrs[NAME] for op in gathers) == \
+        sorted(op.attrs[NAME] for op in params)
+    scatters = [op for op in program.ops if op.target == "comm.reduce_scatter"]
+    assert len(scatters) == len(params)
+    users = program.users()
+    assert all(u.role.value == "fwd" for op in gathers for u in users[op.outputs[0]]
+               if u.target != "autopar.annotate")
+
+
+def test_stage_3_evaluates_like_the_trained_model():
+    model, loss_fn, data = _mlp("sgd")
+    ref = twin(model)
+    opt, _ = gpt_optimizer("sgd", model)
+    engine = ap.Engine(model, loss_fn, opt, strategy=_strategy(3, 4))
+    engine.fit(data, batch_size=BATCH, steps_per_epoch=2, verbose=0)
+    got = engine.evaluate(data[:BATCH], batch_size=BATCH, verbose=0)["loss"]
+    ref.load_state_dict(model.state_dict())
+    x, y = (torch.stack(t) for t in zip(*data[:BATCH]))
+    assert got == pytest.approx(loss_fn(ref(x), y).item(), rel=RTOL)
+
+
+def test_a_sharding_axis_missing_from_the_mesh_is_refused():
+    with pytest.raises(ValueError, match=r"mesh shape \[2\](.|\n)*sharding.axis 'tp' is "
+                                         r"not one of the mesh dim_names"):
+        ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [dp]}\n"
+                                  "data_parallel: {axis: dp}\nsharding: {stage: 2, axis: tp}\n")
