@@ -71,6 +71,10 @@ def _fit_both(model_name: str, optim: str, strategy: ap.Strategy, max_norm: floa
     got = engine.fit(data, batch_size=BATCH, steps_per_epoch=STEPS, verbose=0)["loss"]
     assert_same_losses(got, want)
     assert_same_params(model, ref)
+    whole, want_state = engine.state_dict(), ref.state_dict()   # a tied weight under one name
+    assert whole and whole.keys() <= want_state.keys()
+    for name, value in whole.items():
+        torch.testing.assert_close(value, want_state[name], rtol=RTOL, atol=ATOL)
     ours, theirs = opt.state_dict(), ref_opt.state_dict()
     assert ours["state"].keys() == theirs["state"].keys()
     for key, state in theirs["state"].items():
