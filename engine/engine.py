@@ -273,17 +273,23 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds on real processes (its process groups; the
         default one too when the engine created it), so no collective or message is left
-        pending at exit. Call it after the last step (or use ``with Engine(...) as e``);
-        an atexit hook does it for a script that does not. A closed engine runs no more
-        steps on real processes."""
-        self.runtime.close()
+        pending at exit. Every process calls it after its last step (or leaves ``with
+        Engine(...) as e``): they meet at a barrier first, so none tears down its
+        connections while a peer is still finishing. Leaving ``with`` on an exception
+        closes without the barrier. An atexit hook releases the groups for a script that
+        does not close. A closed engine runs no more steps on real processes."""
+        self._release(together=True)
+
+    def _release(self, together: bool) -> None:
+        if not self.closed:
+            self.runtime.close(together=together)
         self.closed = True
 
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self._release(together=exc_type is None)
 
     # -- pipelines ----------------------------------------------------------------------
     def _last_pipeline(self, mode: str) -> PlannedStep | None:

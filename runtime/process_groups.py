@@ -13,6 +13,7 @@ holds.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -114,11 +115,15 @@ _OWN_DEFAULT: list[bool] = [False]
 _TIMEOUT: list[timedelta | None] = [None]
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = False) -> None:
     """Destroy the process groups autopar made, the default one too when autopar created it
     (not one the user's own code did): no c10d work is left for the interpreter's exit.
-    Local, not a collective; safe to call twice."""
+    With ``barrier`` every process of the default group first waits for all the others (a
+    collective: only when every process is closing); without it, local and safe to call
+    twice. The destroyed groups are collected at once, while the interpreter is whole."""
     if dist.is_initialized():
+        if barrier and (_MADE or _P2P or _OWN_DEFAULT[0]):
+            dist.barrier()
         for group in [*_MADE, *_P2P.values()]:
             if group is not None and group is not dist.group.WORLD:
                 dist.destroy_process_group(group)
@@ -128,6 +133,7 @@ def shutdown() -> None:
     _P2P.clear()
     _CACHE.clear()
     _OWN_DEFAULT[0] = False
+    gc.collect()
 
 
 def backend_for(device: torch.device) -> str:

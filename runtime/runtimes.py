@@ -64,7 +64,7 @@ class LocalRuntime:
     def names(self) -> list[str]:
         return sorted(self.state)
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
         """Nothing to release: no process groups."""
 
     def full(self, name: str) -> torch.Tensor | None:
@@ -127,8 +127,12 @@ class DistributedRuntime:
         """A state gathered whole (a collective: every process calls it, same order)."""
         return self.state.full(name)
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
         """Release the process groups (every step has finished its collectives and
-        messages); the state pieces stay readable on this process."""
-        shutdown()
+        messages); the state pieces stay readable on this process. ``together``: every
+        process is closing (the normal end of a script), so they first meet at a barrier
+        and none tears its connections down while a peer is still finishing its last
+        step (a gloo peer that sees its connections close mid-exit can abort); a process
+        leaving on an error closes alone."""
+        shutdown(barrier=together)
         self._mesh = None

@@ -71,6 +71,7 @@ def run_ranks(scenario: str, world: int, *args: str, timeout: float = 240) -> li
 def logs(out: Path) -> str:
     """torchrun's own output and the tail of every worker's."""
     parts = [f"--- torchrun ---\n{(out / 'torchrun.log').read_text()[-3000:]}"]
-    for path in sorted((out / "logs").rglob("stdout.log")):
-        parts.append(f"--- worker {path.parent.name} ---\n{path.read_text()[-3000:]}")
+    for path in sorted((out / "logs").rglob("std*.log")):
+        parts.append(f"--- worker {path.parent.name} {path.stem} ---\n"
+                     f"{path.read_text()[-3000:]}")
     return "\n".join(parts)

@@ -88,7 +88,9 @@ def main() -> None:
     out = Path(os.environ["AUTOPAR_TEST_RESULT_DIR"])
     torch.save(result, out / f"rank{os.environ['RANK']}.pt")
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        # every rank is done: meet, then release the groups (as Engine.close does)
+        from autopar.runtime.process_groups import shutdown
+        shutdown(barrier=True)
 
 
 if __name__ == "__main__":

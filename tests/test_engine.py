@@ -67,11 +67,12 @@ def test_prepare_plans_without_running_and_dumps_every_pass(tmp_path, monkeypatc
     before = copy.deepcopy(model.state_dict())
     program = engine.prepare(torch.randn(4, 16), torch.randn(4, 8))
     files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
-    # one numbered dump per pass, in the pass manager's order, then the timings
+    # one numbered dump per pass, in the pass manager's order, then the memory estimate of
+    # the lowered program, then the timings
     from autopar.passes.manager import PIPELINE
     assert files == (["00_capture.txt"]
                      + [f"{n:02d}_{p.name}.txt" for n, p in enumerate(PIPELINE, start=1)]
-                     + ["timings.txt"])
+                     + [f"{len(PIPELINE) + 1:02d}_memory.txt", "timings.txt"])
     assert [p.name for p in PIPELINE][:3] == ["decompose_loss", "fold_noops",
                                               "functionalize_writes"]
     assert "lower_optimizer" in (tmp_path / "rank0" / "timings.txt").read_text()
@@ -91,8 +92,8 @@ def test_programs_are_cached_per_batch_signature():
 
 def test_unsupported_strategy_section_is_refused_up_front():
     strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]},
-                           sharding={"axis": "dp", "stage": 1})
-    with pytest.raises(UnsupportedStrategyError, match="sharding"):
+                           amp={"enable": True})
+    with pytest.raises(UnsupportedStrategyError, match="amp"):
         _mlp_engine(strategy=strategy)
 
 
