@@ -193,6 +193,13 @@ class Program:
                 role, module, forward_op, dict(attrs or {}))
         return self.add(op)
 
+    def relink_forward_ops(self, replaced: dict["Op", "Op"]) -> None:
+        """Backward ops that differentiate a replaced forward op now point at the op that
+        makes its result (a pass that decomposes a forward op keeps the links whole)."""
+        for op in self.ops:
+            if op.forward_op in replaced:
+                op.forward_op = replaced[op.forward_op]
+
     def insert_after(self, anchor: Op, op: Op) -> Op:
         for i, v in enumerate(op.outputs):
             v.producer, v.index = op, i

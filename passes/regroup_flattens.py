@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from ..ir import OpKind, Program, StateKind
 from ..ir.attrs import REGROUP_DIMS
+from ..spmd.rules.views import RESHAPES
 from .context import PassContext
 
 __all__ = ["regroup_flattens"]
 
-RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-                      "aten._reshape_alias.default"})
 
 
 def regroup_flattens(program: Program, ctx: PassContext) -> Program:

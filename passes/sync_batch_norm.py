@@ -84,9 +84,7 @@ def sync_batch_norm(program: Program, ctx: PassContext) -> Program:
             new = [op]
         ops.extend(new)
     program.ops = ops
-    for op in program.ops:
-        if op.forward_op in producer_of:
-            op.forward_op = producer_of[op.forward_op]
+    program.relink_forward_ops(producer_of)
     _explicit_buffer_updates(program, updates)
     return program
 

@@ -61,9 +61,7 @@ def vocab_parallel_loss(program: Program, ctx: PassContext) -> Program:
             new = [op]
         ops.extend(new)
     program.ops = ops
-    for op in program.ops:
-        if op.forward_op in producer_of:
-            op.forward_op = producer_of[op.forward_op]
+    program.relink_forward_ops(producer_of)
     return program
 
 

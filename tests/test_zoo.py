@@ -167,14 +167,26 @@ def test_zoo_architecture_trains_like_eager(arch, strategy):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(_eager(ZOO[arch], data)), **TOL)
 
 
+def _planned(name: str, strategy: str, extra: str = ""):
+    """The planned training program of one zoo entry on its first batch (nothing runs)."""
+    arch = ZOO[name]
+    inputs, labels = _data(arch)[0]
+    engine = _engine(arch, _strategy(strategy, arch, extra))
+    return engine.prepare({k: torch.stack([v] * BATCH) for k, v in inputs.items()},
+                          torch.stack([labels] * BATCH))
+
+
+def _moved_activations(program) -> list[str]:
+    """Every all-gather or all-to-all: what moves values the step computes (gradients and
+    statistics are all-reduced or reduce-scattered)."""
+    return [f"{op.module}: {op.inputs[0].type}" for op in program.ops
+            if op.target in ("comm.all_gather", "comm.all_to_all")]
+
+
 @pytest.mark.parametrize("arch", list(ZOO))
 def test_zoo_architecture_plans_strictly_under_dp2_tp2(arch):
     """Every op of the joint graph has an SPMD rule (strict planning raises otherwise)."""
-    data = _data(ZOO[arch])
-    engine = _engine(ZOO[arch], _strategy("dp2_tp2", ZOO[arch], ", strict_rules: true"))
-    inputs, labels = data[0]
-    program = engine.prepare({k: torch.stack([v] * BATCH) for k, v in inputs.items()},
-                             torch.stack([labels] * BATCH))
+    program = _planned(arch, "dp2_tp2", ", strict_rules: true")
     assert any(op.target.startswith("comm.") for op in program.ops)
 
 
@@ -186,23 +198,10 @@ LOCAL_HEADS = ["llama", "mistral", "qwen2", "phi", "phi3", "gpt_neox", "opt", "m
 
 @pytest.mark.parametrize("arch", LOCAL_HEADS)
 def test_zoo_tensor_parallel_moves_no_activations_but_the_row_parallel_sums(arch):
-    data = _data(ZOO[arch])
-    engine = _engine(ZOO[arch], _strategy("tp2", ZOO[arch]))
-    inputs, labels = data[0]
-    program = engine.prepare({k: torch.stack([v] * BATCH) for k, v in inputs.items()},
-                             torch.stack([labels] * BATCH))
-    moved = [op for op in program.ops if op.target in ("comm.all_gather", "comm.all_to_all")]
-    assert not moved, [f"{op.module}: {op.inputs[0].type}" for op in moved]
+    assert _moved_activations(_planned(arch, "tp2")) == []
 
 
 @pytest.mark.parametrize("arch", list(ZOO))
 def test_zoo_data_parallel_moves_no_activations(arch):
-    """Under dp2 only gradients (and BatchNorm statistics) are reduced: no all-gather or
-    all-to-all of anything the step computes."""
-    data = _data(ZOO[arch])
-    engine = _engine(ZOO[arch], _strategy("dp2", ZOO[arch]))
-    inputs, labels = data[0]
-    program = engine.prepare({k: torch.stack([v] * BATCH) for k, v in inputs.items()},
-                             torch.stack([labels] * BATCH))
-    moved = [op for op in program.ops if op.target in ("comm.all_gather", "comm.all_to_all")]
-    assert not moved, [f"{op.module}: {op.inputs[0].type}" for op in moved]
+    """Under dp2 only gradients (and BatchNorm statistics) are reduced."""
+    assert _moved_activations(_planned(arch, "dp2")) == []

@@ -505,7 +505,7 @@ def _ungrouped(op: Op, dist: DistAttr | None) -> tuple[int, Shard, Shard] | None
     back): the output is grouped as the forward view's input was. Known from the forward
     op only, so a flatten of any other shard keeps the view spec's rule."""
     fwd = op.forward_op
-    if dist is None or fwd is None or not fwd.needs or fwd.target not in _VIEWS or \
+    if dist is None or fwd is None or not fwd.needs or fwd.target not in RESHAPES or \
             _shape(fwd) != _out_shape(op) or _out_shape(fwd) != _shape(op):
         return None
     hit = _regrouped(_shape(fwd), _out_shape(fwd), fwd.needs[0])
@@ -550,9 +550,9 @@ class GroupedView:
         return infer_reverse(view(op), mesh, ins, outs, out_hints, describe(op))
 
 
-_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
           "aten._reshape_alias.default")
-register(*_VIEWS)(GroupedView())
+register(*RESHAPES)(GroupedView())
 
 
 # Complex values have no max or min: only sums and means pass through these moves.
