@@ -8,6 +8,12 @@ and counts each live storage once (views and in-place results share their input'
 tensors are counted for the whole step (the runtime's state dict holds them). Storages the
 step did not allocate (a state piece or a feed cut from a full tensor) count only the bytes
 their live tensors span. Optional and slow: for checking estimates (tests), never planning.
+
+``RankMeter`` does the same on a real process: it stands in for that process's executor
+(``ProgramExecutor`` or ``PipelineExecutor``) and runs the same lowered program op by op,
+with the same collectives bound to the process's own groups (and, in a pipeline, the same
+``RankStore`` and messages), dropping each value after its last use as the generated code
+does; the state is the process's own pieces (``RankState``).
 """
 from __future__ import annotations
 
@@ -15,12 +21,20 @@ from typing import Any
 
 import torch
 
-from ..ir import OpKind, Program, Value
-from ..lower.executable import Lowered
+from ..ir import OpKind, Program, Slot, Value
+from ..ir.attrs import MULTI, NAME, STATE, StateKind
+from ..lower.executable import Lowered, PipelineProcess
+from ..pipeline.phases import Phase
 from .codegen import _last_uses as last_uses  # where generated code frees values
-from .simulator import simulate_step
+from .collectives import bind
+from .executor import ProgramExecutor
+from .job_store import RankStore, cut_feeds
+from .pipeline_process import PipelineExecutor, logical_groups
+from .process_groups import mesh_groups
+from .rng import eager_rng_states, forked_generator
+from .simulator import call_op, simulate_step
 
-__all__ = ["MemoryMeter", "PipelineMeter", "measure_step"]
+__all__ = ["MemoryMeter", "PipelineMeter", "RankMeter", "measure_step"]
 
 Coordinate = tuple[int, ...]
 
@@ -63,6 +77,8 @@ class _Process:
         self.state_storages: set[int] = set()
         self.external: set[int] = set()
         self.state_spans: dict[int, list[tuple[int, int]]] = {}
+        self.state_kinds: dict[int, StateKind | None] = {}
+        self.grads: dict[Value, int] = {}
         self.peak_live = 0
         self.start(program)
 
@@ -85,6 +101,7 @@ class _Process:
                 if key not in self.state_storages:
                     self.state_storages.add(key)
                     self.state_spans.setdefault(key, []).append(_span(x))
+                    self.state_kinds[key] = op.attrs.get(STATE)
                 continue
             if op.kind is OpKind.INPUT and key not in kept_keys:   # a piece of a feed
                 self.external.add(key)
@@ -92,12 +109,32 @@ class _Process:
         live = _storage_bytes(list(self.live.values()) + list(kept), self.state_storages,
                               self.external)
         self.peak_live = max(self.peak_live, live)
+        self._gradient(op, env)
         for v in self.dying.get(i, ()):
             self.live.pop(v, None)
+
+    def _gradient(self, op, env: dict[Value, Any]) -> None:
+        """An update op's gradient operand (its second: ``lower_optimizer``'s convention)."""
+        if op.kind is not OpKind.CALL or not op.target.startswith("optim.") \
+                or len(op.args) < 2 or not isinstance(op.args[1], Value):
+            return
+        x = env.get(op.args[1])
+        if isinstance(x, torch.Tensor):       # by value: a dead gradient's address is reused
+            self.grads[op.args[1]] = x.numel() * x.element_size()
 
     @property
     def peak(self) -> int:
         return sum(_union(s) for s in self.state_spans.values()) + self.peak_live
+
+    def held(self) -> dict[str, int]:
+        """Bytes of the state pieces by kind (params, optimizer_state, buffers) and of the
+        gradients the update ops read (grads)."""
+        kinds = {StateKind.PARAM: "params", StateKind.OPTIM: "optimizer_state"}
+        out = {"params": 0, "grads": 0, "optimizer_state": 0, "buffers": 0}
+        for key, spans in self.state_spans.items():
+            out[kinds.get(self.state_kinds.get(key), "buffers")] += _union(spans)
+        out["grads"] = sum(self.grads.values())
+        return out
 
 
 class MemoryMeter:
@@ -113,6 +150,10 @@ class MemoryMeter:
 
     def peaks(self) -> dict[int, int]:
         return {p: proc.peak for p, proc in self.by_coordinate.values()}
+
+    def held(self) -> dict[int, dict[str, int]]:
+        """Every process's state and gradient bytes by kind (``_Process.held``)."""
+        return {p: proc.held() for p, proc in self.by_coordinate.values()}
 
 
 def measure_step(lowered: Lowered, feeds: dict[str, Any], state: dict[str, torch.Tensor]
@@ -155,3 +196,111 @@ def _kept(store) -> list[torch.Tensor]:
         found += ([x for x in term.values() if isinstance(x, torch.Tensor)]
                   if isinstance(term, dict) else [term] if isinstance(term, torch.Tensor) else [])
     return found
+
+
+# -- a real process -------------------------------------------------------------------------
+
+class RankMeter:
+    """The executor interface over one real process's executor, counting that process's
+    live tensor bytes: each ``run`` is the executor's step, run op by op (see the module
+    docstring). ``peak`` is the largest over the metered steps. Slow: for checking the
+    estimate (tests, ``bench/memory_estimate.py``), never for training."""
+
+    def __init__(self, executor: ProgramExecutor | PipelineExecutor, lowered: Lowered):
+        self.executor, self.lowered = executor, lowered
+        self.process = _Process()
+
+    @property
+    def peak(self) -> int:
+        return self.process.peak
+
+    def held(self) -> dict[str, int]:
+        return self.process.held()
+
+    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+        if isinstance(self.executor, PipelineExecutor):
+            return self._run_pipeline(feeds, seed)
+        return self._run_program(feeds, seed)
+
+    def _run_program(self, feeds: dict[str, Any], seed: int | None) -> dict[Slot, Any]:
+        """The executor's own ``run`` (feed cutting, seeding, write-back) around an op-by-op
+        run of its program in place of the generated function."""
+        ex, rank = self.executor, self.executor.rank
+        groups = mesh_groups(self.lowered.mesh) if rank.comms else None
+        comm = {rank.program.ops[i]: bind(spec, groups) for i, spec in rank.comms.items()}
+        compiled = ex.fn
+        ex.fn = lambda f, state: self._interpret(rank.program, comm, f, state)
+        try:
+            return ex.run(feeds, seed)
+        finally:
+            ex.fn = compiled
+
+    def _run_pipeline(self, feeds: dict[str, Any], seed: int | None) -> dict[Slot, Any]:
+        """``PipelineExecutor.run`` with each job run op by op; what the process's store
+        keeps between jobs counts as live throughout."""
+        ex = self.executor
+        process: PipelineProcess = ex.process
+        # the groups of the full pipeline mesh, made by the executor on every process
+        full = (mesh_groups(self.lowered.pipeline.full_mesh)
+                if ex.transport is not None else None)
+        with forked_generator(None), torch.no_grad():
+            rng = (eager_rng_states(process.random_ops, seed)
+                   if process.random_ops and seed is not None else {})
+            bases = [{**cut_feeds(feeds, s), **rng} for s in process.micro_batch_inputs]
+            store = RankStore(process.jobs, ex.micro_batches)
+            if ex.transport is not None:
+                ex.transport.start_step()
+                ex.transport.prefetch()
+            results: dict[Slot, Any] = {}
+            for job in process.order:
+                if job.phase in (Phase.PRE, Phase.POST):
+                    store.finish(job.phase)
+                made = process.programs[job]
+                groups = None if full is None else logical_groups(
+                    full, self.lowered.mesh, process.coordinate, max(job.micro_batch, 0))
+                values = self._interpret(made.program, ex._bind(made, groups),
+                                         store.feeds(job, bases[max(job.micro_batch, 0)]),
+                                         ex.state, lambda: _kept(store))
+                rest = store.absorb(job, ex.slots[job], values)
+                if ex.transport is not None:
+                    ex.transport.prefetch()
+                if job.phase is Phase.POST:
+                    results = rest
+            if ex.transport is not None:
+                ex.transport.finish()
+        for slot, value in results.items():
+            if slot.kind == "update":
+                ex.state[slot.name] = value
+        return {s: v for s, v in results.items() if s.kind != "update"}
+
+    def _interpret(self, program: Program, comm: dict, feeds: dict[str, Any],
+                   state: dict[str, Any], kept=lambda: ()) -> tuple:
+        """One program op by op, as its generated code runs it: values dropped after their
+        last use; the meter counts after every op."""
+        self.process.start(program)
+        env: dict[Value, Any] = {}
+        for i, op in enumerate(program.ops):
+            if op.kind is OpKind.OUTPUT:
+                return tuple(env[v] for v in op.args)
+            if op.kind is OpKind.INPUT:
+                outs = [feeds[op.attrs[NAME]]]
+            elif op.kind is OpKind.STATE:
+                outs = [state[op.attrs[NAME]]]
+            elif op.kind is OpKind.COMM:
+                outs = _outputs(op, comm[op](*(env[v] for v in op.args)))
+            else:
+                outs = call_op(op, env)
+            env.update(zip(op.outputs, outs))
+            self.process.after(i, op, env, kept())
+            for v in self.process.dying.get(i, ()):
+                env.pop(v, None)
+        raise ValueError("RankMeter: the program has no output op")
+
+
+def _outputs(op, out: Any) -> list[Any]:
+    """A comm call's results as the generated code unpacks them."""
+    if not op.outputs:
+        return []
+    if len(op.outputs) == 1 and not op.attrs.get(MULTI):
+        return [out]
+    return list(out)

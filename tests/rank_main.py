@@ -78,8 +78,28 @@ def collectives() -> dict:
     return check_all()
 
 
+def memory_peak(strategy_yaml: str) -> dict:
+    """This rank's predicted peak bytes (``engine.cost``) and the peak the runtime counts
+    (``RankMeter``: the rank's program op by op on its real pieces and collectives) over
+    a training step of the AdamW GPT, after a first step made the optimizer state."""
+    from autopar.models.gpt import lm_loss
+    from autopar.runtime.memory import RankMeter
+    model = parity_gpt("adamw")
+    optimizer, _ = gpt_optimizer("adamw", model)
+    engine = ap.Engine(model, lm_loss, optimizer, strategy=ap.Strategy.from_yaml_str(strategy_yaml))
+    x, y = (torch.stack(t) for t in zip(*lm_data(8, 16, 64)))
+    predicted = engine.cost(x, y)[int(os.environ["RANK"])]
+    first = engine.train_step(x, y)
+    step = engine.planner.plan("train", x, y)
+    step.executor = meter = RankMeter(step.executor, step.lowered)
+    second = engine.train_step(x, y)
+    return {"predicted": predicted.peak, "measured": meter.peak, "loss": [first, second],
+            "held": meter.held(), "estimate": predicted}
+
+
 SCENARIOS = {"train_gpt": train_gpt, "train_and_close": train_and_close,
-             "train_until_killed": train_until_killed, "collectives": collectives}
+             "train_until_killed": train_until_killed, "collectives": collectives,
+             "memory_peak": memory_peak}
 
 
 def main() -> None:
