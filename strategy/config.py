@@ -45,6 +45,11 @@ AXIS_SECTIONS: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline"
 # and experts may be split across them (each rank's tokens meet every rank's experts).
 SHAREABLE_AXES: frozenset[frozenset[str]] = frozenset({
     frozenset({"data_parallel", "sharding"}), frozenset({"data_parallel", "expert_parallel"})})
+# What the ranks of another section's axis hold, which is why ZeRO may not shard over it: it
+# cuts state that the ranks of its axis hold alike (data-parallel replicas).
+HOLD_DIFFERENT_PARAMS: Mapping[str, str] = {
+    "tensor_parallel": "different pieces of the parameters",
+    "pipeline": "different stages' parameters", "expert_parallel": "different experts"}
 # Never refused by check_supported: they exist from the first version on.
 ALWAYS_SUPPORTED: frozenset[str] = frozenset({"grad_clip", "debug", "seed"})
 # Environment variable that overrides debug.dump_dir (read by the engine, passed in).
@@ -156,7 +161,7 @@ class Strategy(BaseModel):
 
     def _axis_problems(self) -> list[str]:
         names = self.mesh.dim_names if self.mesh is not None else ()
-        return [f"{name}.axis {config.axis!r} is not one of the mesh dim_names"
+        return [f"{name}.axis {config.axis!r}{_noted(config)} is not one of the mesh dim_names"
                 for name, config in self._axis_sections().items() if config.axis not in names
                 # a pipeline without a mesh takes its stages from the meshes layers are
                 # annotated on (semi-auto); the planner checks there are several
@@ -165,7 +170,7 @@ class Strategy(BaseModel):
     def _shared_axis_problems(self) -> list[str]:
         sections = list(self._axis_sections().items())
         return [f"{a}.axis and {b}.axis are both {ca.axis!r}; only data_parallel may share "
-                f"an axis (with sharding or expert_parallel)"
+                f"an axis (with sharding or expert_parallel)" + _why_not_shared(ca, cb)
                 for i, (a, ca) in enumerate(sections) for b, cb in sections[i + 1:]
                 if ca.axis == cb.axis and frozenset({a, b}) not in SHAREABLE_AXES]
 
@@ -281,3 +286,18 @@ class Strategy(BaseModel):
         The engine passes ``os.environ``; taking it as an argument keeps this pure and testable.
         """
         return environ.get(DUMP_DIR_ENV) or self.debug.dump_dir
+
+
+def _noted(section: Section) -> str:
+    note = section.note()
+    return f" ({note})" if note else ""
+
+
+def _why_not_shared(a: Section, b: Section) -> str:
+    """Why ZeRO may not shard over another section's axis, when one of the two is sharding."""
+    zero, other = (a, b) if a.SECTION == "sharding" else (b, a)
+    if zero.SECTION != "sharding" or other.SECTION not in HOLD_DIFFERENT_PARAMS:
+        return ""
+    return (f"; {zero.note()} shards state that the ranks of its axis hold alike "
+            f"(data-parallel replicas), but the ranks of {other.SECTION} axis {other.axis!r} "
+            f"hold {HOLD_DIFFERENT_PARAMS[other.SECTION]}: shard over the data-parallel axis")

@@ -71,6 +71,10 @@ class Section(BaseModel):
         """The section's values as one line of YAML, the way the user would write them."""
         return f"{self.SECTION}: {dump_flow(self.model_dump())}"
 
+    def note(self) -> str:
+        """What the section does, in a few words, for errors about its axis ('': nothing)."""
+        return ""
+
 
 class MeshConfig(Section):
     """The device mesh: ``shape`` gives each dim's size, the last dim is the fastest link."""
@@ -206,8 +210,22 @@ class ShardingConfig(Section):
     """ZeRO over ``axis``: 1 shards optimizer states, 2 also grads, 3 also parameters."""
 
     SECTION: ClassVar[str] = "sharding"
+    STAGES: ClassVar[str] = ("0 (off), 1 (optimizer state sharded), 2 (and gradients), "
+                             "3 (and parameters)")
     axis: AxisName = "dp"
-    stage: Annotated[int, Field(strict=True, ge=0, le=3)] = 0
+    stage: Annotated[int, Field(strict=True)] = 0
+
+    @field_validator("stage")
+    @classmethod
+    def _known_stage(cls, value: int) -> int:
+        if not 0 <= value <= 3:
+            bound = "greater than or equal to 0" if value < 0 else "less than or equal to 3"
+            raise ValueError(f"sharding stage {value}: a stage must be {bound}; ZeRO stages "
+                             f"are {cls.STAGES}")
+        return value
+
+    def note(self) -> str:
+        return f"ZeRO stage {self.stage}"
 
     @property
     def is_enabled(self) -> bool:
