@@ -4,10 +4,22 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
 RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops on a shared 2-core machine: one intra-op thread is several times faster.
+    Eager and simulated runs share it, so it changes no comparison. A test module uses it
+    by importing it and marking itself ``pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def lm_data(n: int, seq: int, vocab: int, seed: int = 0):

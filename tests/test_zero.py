@@ -1,6 +1,12 @@
-"""ZeRO as placements (``sharding: {stage, axis}``) on the simulator: optimizer state (and for
-stage 3 the parameters) ``Shard(0)`` over the axis, each rank updating its piece. Every
-step's loss, the final parameters and torch's optimizer state equal eager torch's."""
+"""ZeRO as placements (``sharding: {stage, axis}``) on the simulator: optimizer state (stage
+2: and the gradients the update reads, stage 3: and the parameters) ``Shard(0)`` over the
+axis, each rank updating its piece. For 20 steps every step's loss, the final parameters,
+``engine.state_dict()`` and torch's ``optimizer.state_dict()`` equal eager torch's (fp32,
+rtol 1e-5): stages 1-3 on dp2 and dp4, dp2 x tp2, pp2 x dp2, with SGD + momentum and AdamW,
+on a GPT with dropout and a tied embedding and head, and on an MLP whose first dims split
+unevenly (31 rows over 2 and 4 ranks; 5 rows over 4 leave rank 3 an empty piece). Strategies
+ZeRO cannot honour are refused before anything runs, naming the stage, the axis and the
+mesh; a ``memory_limit_gb`` stage 0 exceeds is met by stage 3 of the same model."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +15,7 @@ import torch
 import autopar as ap
 from autopar.ir import StateKind
 from autopar.ir.attrs import NAME
+from autopar.lower.memory import MemoryLimitError
 from autopar.models import MLP
 from autopar.models.gpt import lm_loss
 
@@ -20,29 +27,34 @@ from .parity import (
     eager_train,
     gpt_optimizer,
     lm_data,
+    one_thread,  # noqa: F401  (a fixture: pytestmark uses it)
     parity_gpt,
     regression_data,
     twin,
 )
 
-STEPS, BATCH = 4, 6          # 6 rows split unevenly over 4 ranks
+STEPS, BATCH = 20, 6         # 6 rows split unevenly over 4 ranks
+SHORT = 6                    # steps of the combinations beyond the issue's matrix
 TP_PLAN = ('{"blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise, '
            '"blocks.*.fc1": colwise, "blocks.*.fc2": rowwise}')
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")      # tiny ops: one thread is faster
 
 
 def _mse(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
-def _mlp(optim: str):
+def _mlp(optim: str, steps: int = STEPS):
     torch.manual_seed(0)
-    model = MLP(16, 30, 6, depth=2)        # first dims 30 and 6: uneven over 4 ranks
-    return model, _mse, regression_data(STEPS * BATCH, 16, 6)
+    model = MLP(16, 31, 5, depth=2)        # first dims 31 and 5: uneven over 2 and 4 ranks
+    return model, _mse, regression_data(steps * BATCH, 16, 5)
 
 
-def _gpt(optim: str):
+def _gpt(optim: str, steps: int = STEPS):
     model = parity_gpt(optim, vocab=64, seq=8, dropout=0.1)   # tied embedding and head
-    return model, lm_loss, lm_data(STEPS * BATCH, 8, 64)
+    return model, lm_loss, lm_data(steps * BATCH, 8, 64)
 
 
 MODELS = {"mlp": _mlp, "gpt": _gpt}
@@ -61,14 +73,15 @@ def _strategy(stage: int, dp: int, tp: int = 1, pp: int = 1, extra: str = "") ->
     return ap.Strategy.from_yaml_str(text + extra)
 
 
-def _fit_both(model_name: str, optim: str, strategy: ap.Strategy, max_norm: float | None = None):
-    model, loss_fn, data = MODELS[model_name](optim)
+def _fit_both(model_name: str, optim: str, strategy: ap.Strategy, max_norm: float | None = None,
+              steps: int = STEPS):
+    model, loss_fn, data = MODELS[model_name](optim, steps)
     ref = twin(model)
     opt, scheduler = gpt_optimizer(optim, model, warmup=2)    # SGD momentum or AdamW
     ref_opt, ref_sched = gpt_optimizer(optim, ref, warmup=2)
-    want = eager_train(ref, loss_fn, ref_opt, data, BATCH, STEPS, max_norm, ref_sched)
+    want = eager_train(ref, loss_fn, ref_opt, data, BATCH, steps, max_norm, ref_sched)
     engine = ap.Engine(model, loss_fn, opt, strategy=strategy, lr_scheduler=scheduler)
-    got = engine.fit(data, batch_size=BATCH, steps_per_epoch=STEPS, verbose=0)["loss"]
+    got = engine.fit(data, batch_size=BATCH, steps_per_epoch=steps, verbose=0)["loss"]
     assert_same_losses(got, want)
     assert_same_params(model, ref)
     whole, want_state = engine.state_dict(), ref.state_dict()   # a tied weight under one name
@@ -76,10 +89,13 @@ def _fit_both(model_name: str, optim: str, strategy: ap.Strategy, max_norm: floa
     for name, value in whole.items():
         torch.testing.assert_close(value, want_state[name], rtol=RTOL, atol=ATOL)
     ours, theirs = opt.state_dict(), ref_opt.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]     # the scheduler's lr too
     assert ours["state"].keys() == theirs["state"].keys()
     for key, state in theirs["state"].items():
+        assert ours["state"][key].keys() == state.keys()
         for name, value in state.items():
-            torch.testing.assert_close(ours["state"][key][name], value, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(ours["state"][key][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"optimizer state {key} {name}: {m}")
     return engine
 
 
@@ -91,16 +107,37 @@ def test_zero_trains_like_eager(stage, dp, model_name, optim):
     _fit_both(model_name, optim, _strategy(stage, dp))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_dp2_tp2_and_pp2_dp2_shard_over_dp(stage):
-    _fit_both("gpt", "adamw", _strategy(stage, 2, tp=2))
-    _fit_both("gpt", "sgd", _strategy(stage, 2, pp=2))
+@pytest.mark.parametrize("stage, optim, steps", [(3, "adamw", STEPS), (3, "sgd", STEPS),
+                                                 (1, "adamw", SHORT), (2, "sgd", SHORT)])
+def test_dp2_tp2_shards_over_dp(stage, optim, steps):
+    """Megatron pairs on tp, ZeRO nested under them on dp (a colwise weight's rows are cut
+    by tp, then each tp piece by dp)."""
+    _fit_both("gpt", optim, _strategy(stage, 2, tp=2), steps=steps)
+
+
+@pytest.mark.parametrize("stage, optim, steps", [(2, "sgd", STEPS), (2, "adamw", STEPS),
+                                                 (3, "sgd", SHORT), (1, "adamw", SHORT)])
+def test_pp2_dp2_shards_over_dp(stage, optim, steps):
+    """A 1F1B pipeline of two stages, each stage's state sharded over its dp ranks (the tied
+    embedding and head live on both stages)."""
+    _fit_both("gpt", optim, _strategy(stage, 2, pp=2), steps=steps)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_clipping_takes_the_global_norm_of_sharded_gradients(stage):
     _fit_both("mlp", "adamw", _strategy(stage, 4, extra="grad_clip: {max_norm: 0.05}\n"),
               max_norm=0.05)
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_zero_over_an_axis_no_section_splits_the_batch_on(model_name):
+    """Sharding over a mesh dim on which every rank computes the same batch (here ``x`` of a
+    dp2 x x2 mesh) is ZeRO without data parallelism there: gradients are whole on each rank
+    and sliced for free; the pieces are still gathered and the training is eager's."""
+    strategy = ap.Strategy.from_yaml_str(
+        "mesh: {shape: [2, 2], dim_names: [dp, x]}\ndata_parallel: {axis: dp}\n"
+        "sharding: {stage: 3, axis: x}\ndebug: {simulate: true}\n")
+    _fit_both(model_name, "adamw", strategy, steps=SHORT)
 
 
 def _planned(stage: int, dp: int):
@@ -128,9 +165,9 @@ def test_gradients_are_reduce_scattered_and_parameters_all_gathered(stage):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_each_rank_holds_a_quarter_of_the_optimizer_state(stage):
-    """Summed over the state pieces of each rank (torch.chunk sizes: 30 rows over 4 ranks
-    are 8, 8, 8, 6), each rank's optimizer state (stage 3: and parameters) is 1/4 of serial
-    up to the uneven split."""
+    """Summed over the state pieces of each rank (torch.chunk sizes: 31 rows over 4 ranks
+    are 8, 8, 8, 7; 5 rows are 2, 2, 1, 0), each rank's optimizer state (stage 3: and
+    parameters) is 1/4 of serial up to the uneven split."""
     from autopar.ir.dist import shard_tensor_local
     model, program = _planned(stage, 4)
     kinds = (StateKind.OPTIM, StateKind.PARAM) if stage == 3 else (StateKind.OPTIM,)
@@ -159,8 +196,81 @@ def test_stage_3_evaluates_like_the_trained_model():
     assert got == pytest.approx(loss_fn(ref(x), y).item(), rel=RTOL)
 
 
-def test_a_sharding_axis_missing_from_the_mesh_is_refused():
-    with pytest.raises(ValueError, match=r"mesh shape \[2\](.|\n)*sharding.axis 'tp' is "
-                                         r"not one of the mesh dim_names"):
-        ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [dp]}\n"
-                                  "data_parallel: {axis: dp}\nsharding: {stage: 2, axis: tp}\n")
+# ---- refused before anything runs -------------------------------------------------------
+
+def _yaml(mesh: str, sections: str) -> str:
+    return f"mesh: {mesh}\n{sections}debug: {{simulate: true}}\n"
+
+
+@pytest.mark.parametrize("text, facts", [
+    # the axis is not in the mesh (or there is no mesh)
+    (_yaml("{shape: [2], dim_names: [dp]}", "data_parallel: {axis: dp}\n"
+           "sharding: {stage: 2, axis: tp}\n"),
+     ["mesh shape [2], dim_names ['dp']", "sharding.axis 'tp' (ZeRO stage 2) is not one of "
+      "the mesh dim_names"]),
+    ("sharding: {stage: 1, axis: dp}\n",
+     ["no mesh: serial, one device", "sharding.axis 'dp' (ZeRO stage 1) is not one of"]),
+    # a stage that does not exist
+    (_yaml("{shape: [2], dim_names: [dp]}", "sharding: {stage: 4, axis: dp}\n"),
+     ["sharding.stage", "sharding stage 4: a stage must be less than or equal to 3",
+      "3 (and parameters)"]),
+    (_yaml("{shape: [2], dim_names: [dp]}", "sharding: {stage: -1, axis: dp}\n"),
+     ["sharding stage -1: a stage must be greater than or equal to 0"]),
+    # the axis of a section whose ranks hold different parameters
+    (_yaml("{shape: [2, 2], dim_names: [dp, tp]}", "data_parallel: {axis: dp}\n"
+           f"tensor_parallel: {{axis: tp, plan: {TP_PLAN}}}\nsharding: {{stage: 3, axis: tp}}\n"),
+     ["mesh shape [2, 2], dim_names ['dp', 'tp']", "tensor_parallel.axis and sharding.axis "
+      "are both 'tp'", "ZeRO stage 3 shards state", "tensor_parallel axis 'tp' hold different "
+      "pieces of the parameters"]),
+    (_yaml("{shape: [2, 2], dim_names: [pp, dp]}", "data_parallel: {axis: dp}\n"
+           "pipeline: {axis: pp}\nsharding: {stage: 2, axis: pp}\n"),
+     ["mesh shape [2, 2], dim_names ['pp', 'dp']", "pipeline.axis and sharding.axis are both "
+      "'pp'", "ZeRO stage 2 shards state", "pipeline axis 'pp' hold different stages' "
+      "parameters"]),
+    (_yaml("{shape: [2, 2], dim_names: [dp, ep]}", "data_parallel: {axis: dp}\n"
+           "expert_parallel: {axis: ep}\nsharding: {stage: 1, axis: ep}\n"),
+     ["sharding.axis and expert_parallel.axis are both 'ep'", "ZeRO stage 1 shards state",
+      "hold different experts"]),
+])
+def test_a_strategy_zero_cannot_honour_is_refused_naming_stage_axis_and_mesh(text, facts):
+    with pytest.raises(ValueError) as err:
+        ap.Strategy.from_yaml_str(text)
+    for fact in facts:
+        assert fact in str(err.value)
+
+
+LIMIT_GB = 0.0016              # 1.6 MiB: between stage 0's and stage 3's predicted peak
+
+
+def _big_mlp(stage: int) -> tuple[torch.nn.Module, ap.Engine]:
+    """Parameters, gradients and AdamW state dominate: three 256 x 256 layers, 6 rows."""
+    torch.manual_seed(0)
+    model = MLP(16, 256, 5, depth=3)
+    opt, _ = gpt_optimizer("adamw", model)
+    strategy = _strategy(stage, 4, extra=f"memory_limit_gb: {LIMIT_GB}\n")
+    return model, ap.Engine(model, _mse, opt, strategy=strategy)
+
+
+def test_a_memory_limit_stage_0_exceeds_is_met_by_stage_3_of_the_same_model():
+    data = regression_data(2 * BATCH, 16, 5)
+    x, y = (torch.stack(t) for t in zip(*data[:BATCH]))
+    model, engine = _big_mlp(0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(MemoryLimitError) as err:
+        engine.train_step(x, y)
+    text = str(err.value)
+    assert f"exceeds memory_limit_gb={LIMIT_GB}" in text and "4 of 4 ranks over" in text
+    # the biggest holders: whole weights and their AdamW moments on every rank
+    assert "layers.1.weight (layers.1) shape [256, 256]" in text
+    assert "layers.1.weight/exp_avg_sq (layers.1) shape [256, 256]" in text
+    assert engine.global_step == 0
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    # stage 3 holds a quarter of each on a rank: it plans under the limit and trains as eager
+    model, engine = _big_mlp(3)
+    limit = LIMIT_GB * 2**30
+    assert all(e.peak <= limit for e in engine.cost(x, y).values())
+    ref = twin(model)
+    ref_opt, _ = gpt_optimizer("adamw", ref)
+    want = eager_train(ref, _mse, ref_opt, data, BATCH, 2)
+    assert_same_losses(engine.fit(data, batch_size=BATCH, verbose=0)["loss"], want)
+    assert_same_params(model, ref)
