@@ -97,9 +97,31 @@ def memory_peak(strategy_yaml: str) -> dict:
             "held": meter.held(), "estimate": predicted}
 
 
+def train_zero(optim: str, steps: str, batch: str, vocab: str, dropout: str) -> dict:
+    """The GPT of ``parity_gpt`` (tied embedding and head, ``dropout``) trained through
+    ``Engine.fit`` on dp2 under ZeRO stages 1, 2 and 3 in turn (one fresh model and engine
+    each, in one launch); per stage: the losses, ``engine.state_dict()`` and torch's
+    ``optimizer.state_dict()`` after fit (whole tensors, gathered from the pieces)."""
+    from autopar.models.gpt import lm_loss
+    results = {}
+    for stage in (1, 2, 3):
+        model = parity_gpt(optim, vocab=int(vocab), dropout=float(dropout))
+        optimizer, scheduler = gpt_optimizer(optim, model)
+        strategy = ap.Strategy.from_yaml_str(
+            "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
+            f"sharding: {{stage: {stage}, axis: dp}}\n")
+        engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy,
+                           lr_scheduler=scheduler)
+        data = lm_data(int(steps) * int(batch), 16, int(vocab))
+        history = engine.fit(data, batch_size=int(batch), verbose=0)
+        results[stage] = {"loss": history["loss"], "state": engine.state_dict(),
+                          "optim": optimizer.state_dict()}
+    return results
+
+
 SCENARIOS = {"train_gpt": train_gpt, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
-             "memory_peak": memory_peak}
+             "memory_peak": memory_peak, "train_zero": train_zero}
 
 
 def main() -> None:
