@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from autopar.runtime.launch import free_port, rank_env, wait_ranks
 
@@ -140,8 +141,50 @@ def report(times: dict[str, list[float]], ours: str, theirs: str) -> float:
 
 
 def state_bytes(tensors) -> int:
-    """Bytes held by the tensors (None entries, states not created yet, count nothing)."""
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """Bytes held by the tensors (None entries, states not created yet, count nothing;
+    a DTensor counts its local piece)."""
+    return sum(t.numel() * t.element_size() for t in map(local, tensors)
+               if isinstance(t, torch.Tensor))
+
+
+def local(t):
+    """A DTensor's local piece; any other value as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_state(engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ours: str,
+               baselines: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+               ) -> dict[str, dict[str, int]]:
+    """Bytes of parameters and of optimizer state kept between steps: one device's
+    (``model``, ``optimizer``: the eager twin), autopar's pieces on this rank (``engine``,
+    named ``ours``) and each baseline's (model, optimizer) on this rank, the largest over
+    the ranks (a collective)."""
+    params = {n for n, _ in model.named_parameters()}
+    pieces = engine.runtime.state.tensors
+    sides = {"serial (one device)": (model, optimizer), **baselines}
+    figures = {name: (state_bytes(m.parameters()),
+                      state_bytes(v for s in opt.state.values() for v in s.values()))
+               for name, (m, opt) in sides.items()}
+    figures[ours] = (state_bytes(t for n, t in pieces.items() if n in params),
+                     state_bytes(t for n, t in pieces.items() if n.rpartition("/")[0] in params))
+    out = {}
+    for name in [*list(sides)[:1], ours, *baselines]:
+        worst = torch.tensor(figures[name], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out[name] = {"params": int(worst[0]), "optimizer": int(worst[1])}
+    return out
+
+
+def print_held_state(memory: dict[str, dict[str, int]], world: int) -> None:
+    """``held_state``'s figures, each as a share of one device's."""
+    serial = sum(memory["serial (one device)"].values())
+    width = max(len(name) for name in memory)
+    print(f"parameter + AdamW state bytes between steps (largest rank of {world}):")
+    for name, m in memory.items():
+        total = m["params"] + m["optimizer"]
+        print(f"  {name:<{width}} params {m['params'] / 2**20:7.3f} MiB + optimizer "
+              f"{m['optimizer'] / 2**20:7.3f} MiB = {total / 2**20:7.3f} MiB "
+              f"({total / serial:.0%} of serial)")
 
 
 def finish() -> None:

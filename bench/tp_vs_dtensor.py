@@ -35,15 +35,23 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ranks import finish, gpt_arguments, init, main, paired, report, state_bytes  # noqa: E402
+from ranks import (  # noqa: E402
+    finish,
+    gpt_arguments,
+    held_state,
+    init,
+    local,
+    main,
+    paired,
+    print_held_state,
+    report,
+)
 
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
@@ -99,7 +107,7 @@ def rank_main(args: argparse.Namespace) -> None:
             loss = lm_loss(m(x), y)
             loss.backward()
         opt.step()
-        return float(_local(loss.detach()))
+        return float(local(loss.detach()))
 
     def dtensor_step() -> float:
         return torch_step(theirs_model, dt_opt)
@@ -110,13 +118,14 @@ def rank_main(args: argparse.Namespace) -> None:
     _check_losses({"autopar": autopar_step, "DTensor": dtensor_step},
                   lambda: torch_step(eager, eager_opt))
     times = paired({"autopar": autopar_step, "DTensor": dtensor_step}, args.steps, args.warmup)
-    memory = _memory(engine, eager, eager_opt, theirs_model, dt_opt)
+    memory = held_state(engine, eager, eager_opt, "autopar tp, per rank",
+                        {"DTensor tp, per rank": (theirs_model, dt_opt)})
     if rank == 0:
         print(f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq} on every rank, "
               f"AdamW, tensor parallel on {world} gloo ranks, "
               f"{torch.get_num_threads()} thread(s) each")
         report(times, "autopar", "DTensor")
-        _print_memory(memory, world)
+        print_held_state(memory, world)
     if args.profile:
         from profile_step import profile_pair
         profile_pair(engine, autopar_step, "DTensor", dtensor_step, rank)
@@ -131,44 +140,6 @@ def _check_losses(steps: dict, eager_step) -> None:
             got = fn()
             if abs(got - want) > 1e-6 + 1e-5 * abs(want):
                 raise AssertionError(f"step {step}: {name} loss {got:.7f} != eager {want:.7f}")
-
-
-def _local(t) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _memory(engine, eager, eager_opt, dt_model, dt_opt) -> dict[str, dict[str, int]]:
-    """Bytes of parameters and of optimizer state each side keeps (this rank's pieces),
-    the largest over the ranks."""
-    params = {n for n, _ in eager.named_parameters()}
-    pieces = engine.runtime.state.tensors
-    figures = {
-        "serial (one device)": (
-            state_bytes(p for p in eager.parameters()),
-            state_bytes(v for s in eager_opt.state.values() for v in s.values())),
-        "autopar tp, per rank": (
-            state_bytes(t for n, t in pieces.items() if n in params),
-            state_bytes(t for n, t in pieces.items() if n.rpartition("/")[0] in params)),
-        "DTensor tp, per rank": (
-            state_bytes(_local(p) for p in dt_model.parameters()),
-            state_bytes(_local(v) for s in dt_opt.state.values() for v in s.values())),
-    }
-    out = {}
-    for name, (p, o) in figures.items():
-        worst = torch.tensor([p, o], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        out[name] = {"params": int(worst[0]), "optimizer": int(worst[1])}
-    return out
-
-
-def _print_memory(memory: dict[str, dict[str, int]], world: int) -> None:
-    serial = sum(memory["serial (one device)"].values())
-    print(f"parameter + AdamW state bytes (largest rank of {world}):")
-    for name, m in memory.items():
-        total = m["params"] + m["optimizer"]
-        print(f"  {name:<22} params {m['params'] / 2**20:7.3f} MiB + optimizer "
-              f"{m['optimizer'] / 2**20:7.3f} MiB = {total / 2**20:7.3f} MiB "
-              f"({total / serial:.0%} of serial)")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from .process_groups import mesh_groups
 from .rng import eager_rng_states, forked_generator
 from .simulator import call_op, simulate_step
 
-__all__ = ["MemoryMeter", "PipelineMeter", "RankMeter", "measure_step"]
+__all__ = ["MemoryMeter", "PipelineMeter", "RankMeter", "measure_step", "meter_step"]
 
 Coordinate = tuple[int, ...]
 
@@ -159,13 +159,20 @@ class MemoryMeter:
 def measure_step(lowered: Lowered, feeds: dict[str, Any], state: dict[str, torch.Tensor]
                  ) -> dict[int, int]:
     """Each process's measured peak bytes over one step (the state is not changed)."""
+    return meter_step(lowered, feeds, state).peaks()
+
+
+def meter_step(lowered: Lowered, feeds: dict[str, Any], state: dict[str, torch.Tensor]
+               ) -> MemoryMeter:
+    """One simulated step of every process under a ``MemoryMeter`` (the state is not
+    changed); the meter has each process's peak and held state."""
     if lowered.pipeline is not None:
         raise ValueError("measure_step: a pipelined plan runs on the pipeline simulator, "
                          "whose peaks() reports the activations held between its jobs")
     meter = MemoryMeter(lowered)
     simulate_step(lowered, feeds, {k: v.clone() if isinstance(v, torch.Tensor) else v
                                    for k, v in state.items()}, observe=meter)
-    return meter.peaks()
+    return meter
 
 
 class PipelineMeter:
