@@ -52,7 +52,11 @@ class Engine:
                  optimizer: torch.optim.Optimizer | None = None,
                  metrics: dict[str, Metric] | Iterable[Metric] | None = None,
                  strategy: Strategy | None = None,
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                 init_fn: Callable[[torch.nn.Module], Any] | None = None):
+        """``init_fn``: for a model built on the meta device, what initializes it (called
+        with the model); by default its ``init_weights()``, else each submodule's
+        ``reset_parameters()``. Each process draws only its pieces (``meta_init``)."""
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metrics = _named_metrics(metrics)
         self.lr_scheduler = lr_scheduler
@@ -67,7 +71,7 @@ class Engine:
         if self.strategy.debug.trace and self.dump_dir is None:
             raise ValueError("debug.trace writes <dump_dir>/pipeline_trace.json: set "
                              "debug.dump_dir (or AUTOPAR_DUMP_DIR)")
-        self.state = ModelState(model, optimizer)
+        self.state = ModelState(model, optimizer, init_fn)
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
             self.runtime = DistributedRuntime(
@@ -123,6 +127,7 @@ class Engine:
         step = self.planner.plan("train", inputs, labels)
         facts = step.facts
         lowered = lower_program(step.program, facts.mesh, None, None)
+        self.state.materialize()
         state = dict(self.state.tensors)
         for name, piece in next(iter(lowered.processes.values())).state.items():
             if name not in state and piece.const is None:
@@ -146,7 +151,10 @@ class Engine:
         if self.launch.offline is not None:      # ``python -m autopar plan`` ran the script
             finish_offline_plan(self, step.mode, self.launch.offline, inputs, labels)
         if step.executor is None:
-            step.executor = self.runtime.executor(step.lowered, self.state.initial)
+            if not self.distributed:
+                self.state.materialize()      # a meta model, whole in this one process
+            step.executor = self.runtime.executor(step.lowered, self.state.initial,
+                                                  self.state.pieces)
             if step.lowered.pipeline is not None and self.strategy.debug.trace:
                 step.executor.keep_trace()
         return step
@@ -212,7 +220,8 @@ class Engine:
                     history.setdefault(f"val_{k}", []).append(v)
                 if self.is_logging_rank and verbose:
                     print("validation " + " ".join(f"{k}: {v:.4f}" for k, v in scores.items()))
-        self.sync_model()
+        if not (self.distributed and self.state.deferred is not None):
+            self.sync_model()     # a meta model's pieces stay pieces: state_dict() gathers
         if self.strategy.debug.trace:
             self._write_trace()
         return history
@@ -321,8 +330,12 @@ class Engine:
 
 
 def _device(model: torch.nn.Module) -> torch.device:
+    """Where the processes compute: the model's device (the CPU for a meta model: its
+    pieces are materialized there)."""
     first = next(iter(model.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
+    if first is None or first.is_meta:
+        return torch.device("cpu")
+    return first.device
 
 
 def _steps_in(data, batch_size: int, limit: int | None) -> int | None:

@@ -6,24 +6,82 @@ optimizer state (``exp_avg``, ``momentum_buffer``...). ``tensors`` holds whole t
 model's own parameters and buffers (so a serial or simulated run trains the model in place)
 and optimizer state once a program made it. On real processes the runtime holds the pieces;
 ``write_back`` copies gathered values into the model's tensors and the optimizer.
+
+A model built on the meta device (``meta_init``) is materialized whole, in place, before a
+plan runs in this process (serial, simulated), and piece by piece on real processes
+(``pieces``): there its own tensors stay on meta and gathered values live in ``tensors``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from ..lower.executable import StatePiece
 from ..passes.lower_optimizer import initial_state
+from ..runtime.state import cut_piece
+from .meta_init import InitFn, MetaInit, is_deferred_model
 
 __all__ = ["ModelState"]
 
 
 class ModelState:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 init_fn: InitFn | None = None):
         self.model, self.optimizer = model, optimizer
         self.param_names = {id(p): n for n, p in model.named_parameters()}
-        self.tensors: dict[str, Any] = {n: p.detach() for n, p in model.named_parameters()}
-        self.tensors.update({n: b for n, b in model.named_buffers()})
+        self.tensors: dict[str, Any] = {}
+        self._read_model()
+        self.deferred = MetaInit(model, init_fn) if is_deferred_model(model) else None
+        if init_fn is not None and self.deferred is None:
+            raise ValueError("Engine(init_fn=...) initializes a model built on the meta device "
+                             "(torch.device('meta')); this model has no meta tensors")
+
+    def _read_model(self) -> None:
+        self.tensors.update({n: p.detach() for n, p in self.model.named_parameters()})
+        self.tensors.update({n: b for n, b in self.model.named_buffers()})
+
+    def materialize(self) -> None:
+        """A meta model, whole and initialized in place (a plan run in this process)."""
+        if self.deferred is not None and any(t.is_meta for t in self.model.parameters()):
+            self.deferred.materialize()
+            self._read_model()
+
+    def pieces(self, wanted: Mapping[str, StatePiece]) -> dict[str, torch.Tensor | None]:
+        """This process's starting pieces of the states in ``wanted`` (real processes):
+        cut from the whole starting value, or, for a meta model, drawn piece by piece."""
+        meta = {n: p for n, p in wanted.items()
+                if self.deferred is not None and _is_meta(self.tensors.get(n))}
+        out = self.deferred.pieces(meta) if meta else {}
+        for name, piece in wanted.items():
+            if name not in meta:
+                out[name] = self._piece_of(name, piece)
+        return out
+
+    def _piece_of(self, name: str, piece: StatePiece) -> torch.Tensor | None:
+        param = self._param_of_state(name)
+        if param is None or not param.is_meta:
+            return cut_piece(self.initial(name), piece)
+        # fresh optimizer state of a meta parameter: made like its piece (torch makes it
+        # elementwise: zeros, or a constant)
+        local = piece.dist.local_shape(piece.shape, piece.coordinate) if piece.dist \
+            else piece.shape
+        group = next(g for g in self.optimizer.param_groups
+                     if any(p is param for p in g["params"]))
+        state = initial_state(self.optimizer, group, param,
+                              like=torch.empty(local, dtype=param.dtype))
+        value = state[name.rpartition("/")[2]]
+        if value is not None and tuple(value.shape) not in (tuple(local), ()):
+            raise ValueError(f"optimizer state {name!r} of a meta parameter is not shaped like "
+                             f"the parameter ({tuple(value.shape)})")
+        return value
+
+    def _param_of_state(self, name: str) -> torch.Tensor | None:
+        param_name, _, key = name.rpartition("/")
+        if not key or self.optimizer is None:
+            return None
+        return next((p for group in self.optimizer.param_groups for p in group["params"]
+                     if self.param_names[id(p)] == param_name), None)
 
     def module_state_names(self) -> list[str]:
         """The model's parameters and buffers, in ``state_dict`` order."""
@@ -54,7 +112,8 @@ class ModelState:
                 gathered[name] = value
         for name, value in gathered.items():
             own = self.tensors.get(name)
-            if isinstance(own, torch.Tensor) and name in self._module_names():
+            if isinstance(own, torch.Tensor) and name in self._module_names() \
+                    and not own.is_meta:
                 if own is not value:
                     own.copy_(value)
             else:
@@ -75,3 +134,7 @@ class ModelState:
                        if k.startswith(prefix) and v is not None}
                 if own:
                     self.optimizer.state[p].update(own)
+
+
+def _is_meta(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_meta

@@ -311,9 +311,11 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
     model.train(mode == "train")
     try:
         with notes.tracing(), dense_experts(model) as layout["dense_experts"]:
-            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+            param_values, buffer_values = _traceable(
                 [params[n].detach().requires_grad_(params[n].requires_grad) for n in param_names],
-                [buffers[n] for n in buffer_names], _distinct(batch_leaves))
+                [buffers[n] for n in buffer_names], batch_leaves)
+            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                param_values, buffer_values, _distinct(batch_leaves))
     except _DATA_DEPENDENT_ERRORS as exc:
         module, where = _module_in_traceback(exc, model)
         raise CaptureError(
@@ -326,6 +328,26 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
         model.train(was_training)
     _refuse_value_dependent_shapes(gm, model)
     return gm, spec, param_names, buffer_names, layout
+
+
+def _traceable(params: list[torch.Tensor], buffers: list[torch.Tensor], batch: list[Any]
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Parameters and buffers as tracing sees them: a model built on the meta device (to be
+    materialized later, piece by piece) traces as fake tensors on the batch's device, so
+    its ops meet the batch on one device; real ones are left for make_fx to fake."""
+    if not any(t.is_meta for t in params + buffers):
+        return params, buffers
+    device = next((x.device for x in batch if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return mode.from_tensor(t)
+        with mode:
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        return out.requires_grad_(t.requires_grad)
+
+    return [fake(t) for t in params], [fake(t) for t in buffers]
 
 
 def _refuse_value_dependent_shapes(gm: fx.GraphModule, model: torch.nn.Module) -> None:

@@ -70,15 +70,22 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.wte.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Every parameter's starting value (also the init path of a GPT built on the meta
+        device: ``Engine`` calls it to materialize each process's pieces)."""
         self.apply(self._init_weights)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        """GPT-2's initialisation: small normal weights, zero biases."""
+        """GPT-2's initialisation: small normal weights, zero biases, unit LayerNorms."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.size(1)

@@ -11,7 +11,8 @@ holds one runtime for its lifetime:
 ``executor(lowered, initial)`` picks the implementation from the plan (``ProgramExecutor``,
 ``SimulatedExecutor``, ``PipelineExecutor``, ``PipelineSimulator``); ``initial(name)`` is the
 whole starting value of a state (a parameter, or fresh optimizer state; None for one the
-first update creates).
+first update creates); real processes take their pieces from ``pieces(wanted)`` when given
+(a model built on the meta device has no whole value to cut).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .pipeline_process import PipelineExecutor, logical_groups
 from .pipeline_simulator import PipelineSimulator
 from .process_groups import check_launch, init_distributed, mesh_groups, p2p_group, shutdown
 from .simulator import SimulatedExecutor
-from .state import PipelineAxis, RankState
+from .state import Pieces, PipelineAxis, RankState
 
 __all__ = ["Initial", "LocalRuntime", "DistributedRuntime"]
 
@@ -45,7 +46,8 @@ class LocalRuntime:
     def __init__(self, state: dict[str, Any], simulate: bool, launched: int = 1):
         self.state, self.simulate, self.launched = state, simulate, launched
 
-    def executor(self, lowered: Lowered, initial: Initial) -> Executor:
+    def executor(self, lowered: Lowered, initial: Initial,
+                 pieces: Pieces | None = None) -> Executor:
         processes = _processes(lowered)
         if processes > 1 and not self.simulate:
             check_launch(processes, self.launched)     # raises: a launch that cannot run it
@@ -81,7 +83,8 @@ class DistributedRuntime:
         self.state: RankState | None = None
         self._mesh = None                 # the mesh (or full pipeline mesh) state lives on
 
-    def executor(self, lowered: Lowered, initial: Initial) -> Executor:
+    def executor(self, lowered: Lowered, initial: Initial,
+                 pieces: Pieces | None = None) -> Executor:
         processes = _processes(lowered)
         if processes == 1 and lowered.pipeline is None:
             raise ValueError(
@@ -91,23 +94,25 @@ class DistributedRuntime:
         init_distributed(self.device, processes, self.world, self.timeout)
         made = lowered.process(self.rank)
         if isinstance(made, PipelineProcess):
-            return self._pipeline(lowered, made, initial)
-        return self._rank(lowered, made, initial)
+            return self._pipeline(lowered, made, initial, pieces)
+        return self._rank(lowered, made, initial, pieces)
 
-    def _rank(self, lowered: Lowered, made: RankProgram, initial: Initial) -> Executor:
+    def _rank(self, lowered: Lowered, made: RankProgram, initial: Initial,
+              pieces: Pieces | None) -> Executor:
         groups = mesh_groups(lowered.mesh)
         state = self._state(lowered.mesh, lambda: RankState(groups, device=self.device))
-        state.adopt(made.state, made.state, initial)
+        state.adopt(made.state, made.state, initial, pieces)
         return ProgramExecutor(made, state.tensors, groups)
 
-    def _pipeline(self, lowered: Lowered, made: PipelineProcess, initial: Initial) -> Executor:
+    def _pipeline(self, lowered: Lowered, made: PipelineProcess, initial: Initial,
+                  pieces: Pieces | None) -> Executor:
         full_mesh = lowered.pipeline.full_mesh
         groups = mesh_groups(full_mesh)
         group = p2p_group(full_mesh)
         axis = PipelineAxis(made.pp, made.peers, groups.axes[0].group)
         state = self._state(full_mesh, lambda: RankState(
             logical_groups(groups, lowered.mesh, made.coordinate, 0), axis, self.device))
-        state.adopt(made.state, made.held, initial)
+        state.adopt(made.state, made.held, initial, pieces)
         return PipelineExecutor(made, state.tensors, lowered.mesh, groups, group, self.device)
 
     def _state(self, mesh, make: Callable[[], RankState]) -> RankState:

@@ -21,7 +21,10 @@ from ..lower.executable import StatePiece
 from .collectives import bind_step
 from .process_groups import MeshGroups
 
-__all__ = ["RankState", "PipelineAxis", "cut_piece"]
+__all__ = ["RankState", "PipelineAxis", "cut_piece", "Pieces"]
+
+# this process's starting pieces of several states at once, by name
+Pieces = Callable[[Mapping[str, StatePiece]], "dict[str, torch.Tensor | None]"]
 
 
 def cut_piece(whole: torch.Tensor | None, piece: StatePiece) -> torch.Tensor | None:
@@ -51,10 +54,13 @@ class RankState:
         self.pieces: dict[str, StatePiece] = {}      # every state known, held or not
 
     def adopt(self, pieces: Mapping[str, StatePiece], held: Iterable[str],
-              initial: Callable[[str], torch.Tensor | None]) -> None:
-        """Cut the pieces of ``held`` states not held yet from ``initial(name)`` (the whole
-        starting value; a constant's own), and learn every state's layout."""
-        held = set(held)
+              initial: Callable[[str], torch.Tensor | None],
+              cut: Pieces | None = None) -> None:
+        """Take this process's pieces of the ``held`` states not held yet, and learn every
+        state's layout. A piece is cut from ``initial(name)`` (the whole starting value; a
+        constant's own), or made by ``cut(wanted)`` when given (the pieces of several
+        states at once, which a model built on the meta device draws without its whole)."""
+        held, wanted = set(held), {}
         for name, piece in pieces.items():
             known = self.pieces.get(name)
             if known is not None and known.dist is not None and \
@@ -64,8 +70,14 @@ class RankState:
                     f"{piece.dist}; a state value keeps one placement for the engine's lifetime")
             self.pieces.setdefault(name, piece)
             if name in held and name not in self.tensors:
-                whole = piece.const if piece.const is not None else initial(name)
-                self.tensors[name] = cut_piece(whole, piece)
+                if piece.const is not None:
+                    self.tensors[name] = cut_piece(piece.const, piece)
+                else:
+                    wanted[name] = piece
+        if cut is not None:
+            self.tensors.update(cut(wanted))
+        else:
+            self.tensors.update({n: cut_piece(initial(n), p) for n, p in wanted.items()})
 
     def names(self) -> list[str]:
         """Every state known but constants, in the order every process calls ``full``."""
