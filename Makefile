@@ -27,6 +27,9 @@ bench: $(VENV_STAMP)
 	$(PY) bench/tp_vs_dtensor.py
 	$(PY) bench/pp_vs_pipelining.py
 	$(PY) bench/pp_memory.py
+	$(PY) bench/zero_memory.py
+	$(PY) bench/zero_vs_fsdp2.py
+	$(PY) bench/memory_estimate.py
 
 clean:
 	rm -rf .venv

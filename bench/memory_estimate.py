@@ -54,6 +54,7 @@ def _args(argv=None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--no-four", action="store_true", help="skip the 4-rank configurations")
     parser.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -67,7 +68,7 @@ def strategy(config) -> ap.Strategy:
 def measure(args: argparse.Namespace, config) -> tuple[object, int, dict[str, int]]:
     """This rank's estimate, measured peak and measured held state for one configuration."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=4,
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4,
                     n_embd=args.width)
     model = GPT(cfg)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
@@ -100,8 +101,8 @@ def _mib(n: int) -> str:
 
 
 def _print(rows, args: argparse.Namespace, world: int) -> None:
-    print(f"GPT {args.layers}x{args.width}, vocab 128, global batch {args.batch}x{args.seq}, "
-          f"AdamW, {world} gloo ranks; MiB per rank")
+    print(f"GPT {args.layers}x{args.width}, vocab {args.vocab}, "
+          f"global batch {args.batch}x{args.seq}, AdamW, {world} gloo ranks; MiB per rank")
     print(f"{'config':<18} {'rank':>4} {'predicted':>9} {'measured':>9} {'error':>7}   "
           f"measured held: {'params':>8} {'grads':>8} {'optim':>8}")
     worst = 0.0
