@@ -117,6 +117,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.profile:
         from profile_step import profile_pair
         profile_pair(engine, autopar_step, "FSDP2", fsdp_step, rank)
+    engine.close()
     finish()
 
 

@@ -17,9 +17,12 @@ does; the state is the process's own pieces (``RankState``).
 """
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Iterable
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ir import OpKind, Program, Slot, Value
 from ..ir.attrs import MULTI, NAME, STATE, StateKind
@@ -34,7 +37,8 @@ from .process_groups import mesh_groups
 from .rng import eager_rng_states, forked_generator
 from .simulator import call_op, simulate_step
 
-__all__ = ["MemoryMeter", "PipelineMeter", "RankMeter", "measure_step", "meter_step"]
+__all__ = ["AllocationMeter", "MemoryMeter", "PipelineMeter", "RankMeter", "measure_step",
+           "meter_step"]
 
 Coordinate = tuple[int, ...]
 
@@ -311,3 +315,60 @@ def _outputs(op, out: Any) -> list[Any]:
     if len(op.outputs) == 1 and not op.attrs.get(MULTI):
         return [out]
     return list(out)
+
+
+# -- every allocation of the compiled step ----------------------------------------------------
+
+class AllocationMeter(TorchDispatchMode):
+    """Live bytes of every tensor storage the ops allocate while it is active, sampled after
+    every aten call (a context manager around a step of the real, compiled executor). A
+    storage counts from the op that returns it until its last tensor dies (CPython frees a
+    value when the generated code ``del``s it), so unlike ``RankMeter`` it also sees what
+    runs inside an IR op: a composite's temporaries (torch's functional AdamW, a
+    collective's padded or flattened buffers). Storages that exist before (``held``: the
+    state pieces, the feeds) are not counted; ``peak`` adds ``held``'s bytes back.
+    Kernels' scratch memory that never becomes a tensor is not seen."""
+
+    def __init__(self, held: Iterable[Any] = ()):
+        super().__init__()
+        tensors = [t for t in held if isinstance(t, torch.Tensor)]
+        self.known = {t.untyped_storage().data_ptr() for t in tensors}
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for t in tensors:
+            spans.setdefault(t.untyped_storage().data_ptr(), []).append(_span(t))
+        self.held_bytes = sum(_union(s) for s in spans.values())
+        self.storages: dict[int, list[int]] = {}       # key -> [bytes, live tensors]
+        self.live = self.peak_live = 0
+
+    @property
+    def peak(self) -> int:
+        return self.held_bytes + self.peak_live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        self.peak_live = max(self.peak_live, self.live)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.known or storage.nbytes() == 0:
+            return
+        entry = self.storages.get(key)
+        if entry is None:
+            entry = self.storages[key] = [storage.nbytes(), 0]
+            self.live += entry[0]
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self.storages.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self.storages[key]

@@ -81,9 +81,10 @@ def collectives() -> dict:
 def memory_peak(strategy_yaml: str) -> dict:
     """This rank's predicted peak bytes (``engine.cost``) and the peak the runtime counts
     (``RankMeter``: the rank's program op by op on its real pieces and collectives) over
-    a training step of the AdamW GPT, after a first step made the optimizer state."""
+    a training step of the AdamW GPT, after a first step made the optimizer state; then
+    the peak of every storage the compiled step's aten calls allocate (``AllocationMeter``)."""
     from autopar.models.gpt import lm_loss
-    from autopar.runtime.memory import RankMeter
+    from autopar.runtime.memory import AllocationMeter, RankMeter
     model = parity_gpt("adamw")
     optimizer, _ = gpt_optimizer("adamw", model)
     engine = ap.Engine(model, lm_loss, optimizer, strategy=ap.Strategy.from_yaml_str(strategy_yaml))
@@ -91,10 +92,14 @@ def memory_peak(strategy_yaml: str) -> dict:
     predicted = engine.cost(x, y)[int(os.environ["RANK"])]
     first = engine.train_step(x, y)
     step = engine.planner.plan("train", x, y)
-    step.executor = meter = RankMeter(step.executor, step.lowered)
+    compiled = step.executor
+    step.executor = meter = RankMeter(compiled, step.lowered)
     second = engine.train_step(x, y)
+    step.executor = compiled
+    with AllocationMeter([*engine.runtime.state.tensors.values(), x, y]) as allocated:
+        engine.train_step(x, y)
     return {"predicted": predicted.peak, "measured": meter.peak, "loss": [first, second],
-            "held": meter.held(), "estimate": predicted}
+            "held": meter.held(), "estimate": predicted, "allocated": allocated.peak}
 
 
 def train_zero(optim: str, steps: str, batch: str, vocab: str, dropout: str) -> dict:

@@ -158,3 +158,21 @@ def test_plan_cli_prints_the_memory_table(tmp_path):
     rows = [line.split() for line in done.stdout.splitlines()
             if line.strip().startswith(("0 ", "1 "))]
     assert [r[0] for r in rows][-2:] == ["0", "1"]
+
+
+def test_allocation_meter_counts_storages_from_allocation_to_last_tensor():
+    from autopar.runtime.memory import AllocationMeter
+    held = torch.zeros(256)                              # 1 KiB that existed before
+    with AllocationMeter([held]) as meter:
+        a = torch.ones(1000)                             # 4000 B
+        view = a[:10]                                    # the same storage: counted once
+        del a
+        b = view * 2                                     # 40 B while a's storage lives
+        held.add_(1)                                     # in place on a held storage
+        del view
+        c = torch.ones(500)                              # a's 4000 B are free again
+    assert meter.peak_live == 4040
+    assert meter.held_bytes == 1024 and meter.peak == 1024 + 4040
+    assert meter.live == 40 + 2000                       # b and c still live
+    del b, c
+    assert meter.live == 0
