@@ -256,6 +256,7 @@ class MetaInit:
         """Run the init path with the meta tensors swapped for ``Deferred`` ones; returns
         what the path assigned anew to buffer slots (cut to the pieces when real)."""
         run = _InitRun(roots, dry)
+        saved = _module_attributes(self.model)
         swapped = _swap_in(self.model, roots, run)
         try:
             with _Forked(self.rng_state), torch.no_grad():
@@ -263,6 +264,24 @@ class MetaInit:
             return _replaced(swapped, roots)
         finally:
             _swap_out(swapped)
+            _restore_attributes(saved)
+
+
+def _module_attributes(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]]:
+    """Each module's plain attributes: an init path may mark what it has done (Hugging
+    Face's ``_is_hf_initialized``), and every run of it must start as the first did."""
+    return [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_SLOTS})
+            for m in model.modules()]
+
+
+_MODULE_SLOTS = {"_parameters", "_buffers", "_modules"}
+
+
+def _restore_attributes(saved: list[tuple[torch.nn.Module, dict]]) -> None:
+    for module, attributes in saved:
+        for key in [k for k in vars(module) if k not in _MODULE_SLOTS and k not in attributes]:
+            delattr(module, key)
+        vars(module).update(attributes)
 
 
 def _index_of(shape: tuple[int, ...], piece: StatePiece | None) -> PieceIndex:

@@ -275,3 +275,44 @@ def _gpt_for_ranks() -> GPT:
     with torch.device("meta"):
         return GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=65, block_size=16,
                              dropout=0.1))
+
+
+def test_a_meta_hugging_face_llama_trains_like_eager_under_zero3_and_tp():
+    """Hugging Face's own init path (``init_weights()``: normal_ through ``.data``, rotary
+    frequencies copied into their buffers) draws each piece; dp2 x tp2 with ZeRO-3 on the
+    simulator trains like eager from ``to_empty`` + ``init_weights()``."""
+    from .test_zoo import BATCH, LLAMA_PLAN, STEPS, TOL, ZOO, _data
+    arch = ZOO["llama"]
+    data = _data(arch)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = arch.build().train()
+    strategy = ap.Strategy.from_yaml_str(
+        "mesh: {shape: [2, 2], dim_names: [dp, tp]}\ndata_parallel: {axis: dp}\n"
+        f"tensor_parallel: {{axis: tp, plan: {LLAMA_PLAN}}}\nsharding: {{stage: 3, axis: dp}}\n"
+        "debug: {simulate: true}\n")
+    engine = ap.Engine(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=strategy)
+    got = engine.fit(data, batch_size=BATCH, steps_per_epoch=STEPS, verbose=0)["loss"]
+    with torch.device("meta"):
+        reference = arch.build().train()
+    reference = _eager_init(reference, 0)    # out of the meta context: HF inits only there
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    want = []
+    for step in range(STEPS):
+        rows = data[step * BATCH:(step + 1) * BATCH]
+        inputs = {k: torch.stack([x[k] for x, _ in rows]) for k in rows[0][0]}
+        loss = reference(**inputs, labels=torch.stack([y for _, y in rows])).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        want.append(loss.item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
+    assert_same_params(model, reference)
+    torch.manual_seed(0)                      # and each real process's pieces of the same init
+    with torch.device("meta"):
+        model = arch.build()
+    meta_init = MetaInit(model)
+    with torch.device("meta"):
+        reference = arch.build()
+    _pieces_equal(meta_init, model, _eager_init(reference, 0), (Shard(0), Shard(1)))
