@@ -172,7 +172,16 @@ class Strategy(BaseModel):
         return [f"{a}.axis and {b}.axis are both {ca.axis!r}; only data_parallel may share "
                 f"an axis (with sharding or expert_parallel)" + _why_not_shared(ca, cb)
                 for i, (a, ca) in enumerate(sections) for b, cb in sections[i + 1:]
-                if ca.axis == cb.axis and frozenset({a, b}) not in SHAREABLE_AXES]
+                if ca.axis == cb.axis and not self._may_share(a, b, ca.axis)]
+
+    def _may_share(self, a: str, b: str, axis: str) -> bool:
+        """Pairs of SHAREABLE_AXES, and ZeRO with experts split over the data-parallel ranks
+        (all three on one axis): it shards the state the ranks hold alike there and leaves
+        each rank's own experts as they are."""
+        pair = frozenset({a, b})
+        return pair in SHAREABLE_AXES or (
+            pair == {"sharding", "expert_parallel"} and self.data_parallel is not None
+            and self.data_parallel.axis == axis)
 
     def _batch_dim_problems(self) -> list[str]:
         dp, pipe = self.data_parallel, self.pipeline
@@ -300,4 +309,6 @@ def _why_not_shared(a: Section, b: Section) -> str:
         return ""
     return (f"; {zero.note()} shards state that the ranks of its axis hold alike "
             f"(data-parallel replicas), but the ranks of {other.SECTION} axis {other.axis!r} "
-            f"hold {HOLD_DIFFERENT_PARAMS[other.SECTION]}: shard over the data-parallel axis")
+            f"hold {HOLD_DIFFERENT_PARAMS[other.SECTION]}: shard over the data-parallel axis"
+            + (" (experts split over it too are left as they are)"
+               if other.SECTION == "expert_parallel" else ""))
