@@ -6,7 +6,10 @@ immutable and printable:
 * ``ProcessMesh`` — an n-D array of process ids with named dims. ``groups(dim)`` fixes the
   order in which every rank creates its c10d groups (a different order on two ranks hangs).
 * ``Shard(d)`` / ``Replicate()`` / ``Partial(op)`` — one placement per mesh dim, the same
-  vocabulary as DTensor and OneFlow SBP. ``Shard(d, groups=g)`` is a grouped shard (DTensor's
+  vocabulary as DTensor and OneFlow SBP. Besides sum/avg/max/min, ``Partial(norm_partial(p))``
+  (text ``P(norm2)``, ``P(norm1)``, ``P(norminf)``) is DTensor's ``_NormPartial``: each rank
+  holds the p-norm of its piece and the value is the p-norm of those terms.
+  ``Shard(d, groups=g)`` is a grouped shard (DTensor's
   ``_StridedShard``, Megatron's interleaved fused qkv): dim ``d`` is viewed as ``(g, n/g)``
   and the inner part is chunked, so a rank holds its chunk of every group, in group order.
   ``groups=(2, 1, 1)`` gives groups of relative widths (grouped-query attention's fused
@@ -34,7 +37,8 @@ import torch
 
 __all__ = [
     "ProcessMesh", "MICRO_BATCH_DIM", "micro_batch_dim", "Placement", "Shard", "Replicate",
-    "Partial", "PARTIAL_OPS", "DistAttr", "local_size", "local_offset", "local_shape",
+    "Partial", "PARTIAL_OPS", "norm_partial", "norm_order", "reduce_terms", "keeps_partial_value",
+    "DistAttr", "local_size", "local_offset", "local_shape",
     "local_offsets", "local_slices", "local_runs", "is_grouped", "chunk_grouped", "cat_grouped",
     "Groups", "normalize_groups", "group_total", "group_widths", "format_groups",
     "shard_tensor_local", "assemble", "format_placements", "parse_placements",
@@ -295,6 +299,49 @@ def format_groups(groups: Groups) -> str:
 # --------------------------------------------------------------------------- placements
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
+# The norm family: ``norm<p>`` for any order p > 0 (``norminf`` for the max-norm). A term is
+# the p-norm of a rank's piece, so terms are never negative; the value is their p-norm.
+_NORM = "norm"
+
+
+def norm_partial(p: float) -> str:
+    """The Partial op of a p-norm: ``norm2``, ``norm1``, ``norminf``, ``norm1.5`` (one
+    spelling per order, so ``Partial`` equality is order equality)."""
+    p = float(p)
+    if not p > 0:
+        raise ValueError(f"a norm partial needs an order p > 0 (got {p}): the terms of "
+                         "smaller orders do not combine by the same norm")
+    if math.isinf(p):
+        return f"{_NORM}inf"
+    return f"{_NORM}{int(p)}" if p.is_integer() else f"{_NORM}{p!r}"
+
+
+def norm_order(op: str) -> float | None:
+    """The order p of a norm partial op (``norm2`` -> 2.0), None for sum/avg/max/min."""
+    if not op.startswith(_NORM):
+        return None
+    try:
+        p = float(op[len(_NORM):])
+    except ValueError:
+        return None
+    return p if p > 0 else None
+
+
+def reduce_terms(terms: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """The value Partial(op) terms make: sum, mean, max, min, or the p-norm of the terms
+    (elementwise over the stacked terms)."""
+    stacked = torch.stack(list(terms))
+    order = norm_order(op)
+    if order is not None:
+        return torch.linalg.vector_norm(stacked, order, dim=0)
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        total = stacked.sum(0)
+        return total / len(terms) if total.is_floating_point() else total // len(terms)
+    if op in ("max", "min"):
+        return stacked.amax(0) if op == "max" else stacked.amin(0)
+    raise ValueError(f"unknown partial op {op!r}")
 
 
 @dataclass(frozen=True)
@@ -354,13 +401,23 @@ class Replicate(Placement):
 
 @dataclass(frozen=True)
 class Partial(Placement):
-    """Every rank holds a term; the tensor is the ``op``-reduction over the mesh dim."""
+    """Every rank holds a term; the tensor is the ``op``-reduction over the mesh dim:
+    one of ``PARTIAL_OPS`` or a norm (``norm_partial(p)``: the p-norm of the terms)."""
 
     op: str = "sum"
 
     def __post_init__(self) -> None:
-        if self.op not in PARTIAL_OPS:
-            raise ValueError(f"Partial(op={self.op!r}): op must be one of {PARTIAL_OPS}")
+        order = norm_order(self.op) if isinstance(self.op, str) else None
+        if order is not None:
+            object.__setattr__(self, "op", norm_partial(order))   # norm2.0 is norm2
+        elif self.op not in PARTIAL_OPS:
+            raise ValueError(f"Partial(op={self.op!r}): op must be one of {PARTIAL_OPS} or "
+                             "norm<p> for an order p > 0 (norm2, norm1, norminf)")
+
+    @property
+    def norm_order(self) -> float | None:
+        """p for a norm partial, None otherwise."""
+        return norm_order(self.op)
 
     def __str__(self) -> str:
         return f"P({self.op})"
@@ -371,12 +428,13 @@ def format_placements(placements: Iterable[Placement]) -> str:
     return "{" + ",".join(str(p) for p in placements) + "}"
 
 
-_PLACEMENT_TEXT = re.compile(r"^(?:S\((\d+)\)(?:x(\d+(?::\d+)*))?|R|P(?:\((sum|avg|max|min)\))?)$")
+_PLACEMENT_TEXT = re.compile(r"^(?:S\((\d+)\)(?:x(\d+(?::\d+)*))?|R|"
+                             r"P(?:\((sum|avg|max|min|norm(?:inf|[0-9.e+-]+))\))?)$")
 
 
 def parse_placements(text: str) -> tuple[Placement, ...]:
     """Inverse of ``format_placements``: ``"S(0),R"``, ``"{S(0),P(sum)}"``, ``"S(0)x3"``,
-    ``"S(1)x2:1:1"``."""
+    ``"S(1)x2:1:1"``, ``"P(norm2)"``."""
     items = [t.strip() for t in text.strip().strip("{}").split(",") if t.strip()]
     placements: list[Placement] = []
     for item in items:
@@ -384,7 +442,7 @@ def parse_placements(text: str) -> tuple[Placement, ...]:
         if match is None:
             raise ValueError(f"cannot read placement {item!r} in {text!r}: expected S(<dim>), "
                              "S(<dim>)x<groups>, S(<dim>)x<w0>:<w1>:..., R or "
-                             "P(sum|avg|max|min)")
+                             "P(sum|avg|max|min|norm<p>)")
         shard, groups, op = match.groups()
         widths = tuple(int(w) for w in (groups or "1").split(":"))
         placements.append(Shard(int(shard), widths if len(widths) > 1 else widths[0])
@@ -604,11 +662,18 @@ def _check_groups(shape: Sequence[int], mesh: ProcessMesh,
 # --------------------------------------------------------------------------- reference semantics
 
 
+def keeps_partial_value(p: Partial, index: int) -> bool:
+    """Whether index ``index`` of a mesh dim keeps the value when R becomes ``p``: sum and
+    finite norms keep it at index 0 and hold zeros elsewhere (a zero term adds nothing);
+    avg/max/min and the max-norm are idempotent over equal terms, so every rank keeps it.
+    A norm's terms are norms: this is exact for the non-negative values they are."""
+    order = p.norm_order
+    return index == 0 or not (p.op == "sum" or (order is not None and not math.isinf(order)))
+
+
 def _keeps_partial_value(placements: Sequence[Placement], coordinate: Sequence[int]) -> bool:
-    """R -> P(sum) keeps the value at index 0 of each sum-partial mesh dim, zeros elsewhere;
-    avg/max/min are idempotent over equal terms, so every rank keeps the value."""
-    return all(c == 0 for p, c in zip(placements, coordinate)
-               if isinstance(p, Partial) and p.op == "sum")
+    return all(keeps_partial_value(p, c) for p, c in zip(placements, coordinate)
+               if isinstance(p, Partial))
 
 
 def shard_tensor_local(tensor: torch.Tensor, mesh: ProcessMesh,
@@ -632,16 +697,6 @@ def shard_tensor_local(tensor: torch.Tensor, mesh: ProcessMesh,
     return piece.clone(memory_format=torch.contiguous_format)
 
 
-def _reduce(terms: list[torch.Tensor], op: str) -> torch.Tensor:
-    stacked = torch.stack(terms)
-    if op == "sum":
-        return stacked.sum(0)
-    if op == "avg":
-        total = stacked.sum(0)
-        return total / len(terms) if total.is_floating_point() else total // len(terms)
-    return stacked.amax(0) if op == "max" else stacked.amin(0)
-
-
 def _fold(pieces: Mapping[Coordinate, torch.Tensor], p: Placement,
           n: int) -> dict[Coordinate, torch.Tensor]:
     """Combine pieces along the last coordinate component: cat shards, reduce partials,
@@ -652,7 +707,7 @@ def _fold(pieces: Mapping[Coordinate, torch.Tensor], p: Placement,
         if isinstance(p, Shard):
             out[prefix] = cat_grouped(row, p.dim, p.groups)
         elif isinstance(p, Partial):
-            out[prefix] = _reduce(row, p.op)
+            out[prefix] = reduce_terms(row, p.op)
         else:
             out[prefix] = row[0]
     return out

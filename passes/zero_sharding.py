@@ -5,7 +5,11 @@ Nothing else changes: the update rule (``spmd/rules/optimizer.py``) runs where i
 sharded operand lives, so each rank updates its piece; completion asks the gradient for that
 placement (Partial -> reduce-scatter) and the updated parameter for the parameter's own
 placement (replicated -> all-gather). A static plan never needs the whole gradient once the
-update is sharded, so stages 1 and 2 plan the same program: both reduce-scatter.
+update is sharded, so stages 1 and 2 plan the same program: both reduce-scatter. Where the
+gradient passes through ops before its update (clipping scales it by ``max_norm / total
+norm``), those ops would read it first and take it whole; stage 2 pins it ``Shard(0)`` on
+the axis as the backward hands it over, so clipping works on the pieces (its norms are
+``Partial(norm2)``: one scalar all-reduce per mesh dim) and no gradient is held whole.
 
 Stage 3 keeps the parameters sharded too, so nothing gathers the new values; an annotation
 pinning Replicate on the axis just before each phase's first read (forward, and backward
@@ -40,11 +44,18 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
             f"{list(mesh.shape)} ({', '.join(mesh.dim_names)}) has no such axis")
     axis = mesh.dim_index(sharding.axis)
     params = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
+    sharded: dict[Value, DistAttr] = {}
     for op in program.states(StateKind.OPTIM):
         name = op.attrs[NAME]
         param = params.get(name.rpartition("/")[0])
         if param is not None and op.result.type.shape == param.type.shape:
             _pin_shard0(op.result, param, mesh, axis, sharding.stage, f"optimizer state {name!r}")
+            if op.result.dist.placements[axis].is_shard():
+                sharded.setdefault(param, op.result.dist)
+    if sharding.stage >= 2:
+        for update in [op for op in program.ops if op.role is Role.OPTIMIZER
+                       and op.args and op.args[0] in sharded]:
+            _shard_gradient(program, update, sharded[update.args[0]], axis)
     if sharding.stage >= 3:
         users = program.users()
         for name, param in params.items():
@@ -72,6 +83,39 @@ def _gather_for_uses(program: Program, name: str, param: Value, axis: int,
         program.insert_after(program.ops[program.ops.index(first) - 1], note)
         for op in readers:
             op.map_inputs(lambda v, note=note: note.result if v is param else v)
+
+
+def _shard_gradient(program: Program, update: Op, dist: DistAttr, axis: int) -> None:
+    """Stage 2: the gradient the backward hands over is held where its update runs. Only
+    where optimizer-role ops transform it before the update (clipping): otherwise the update
+    asks for that placement itself."""
+    grad = update.args[1]
+    raw = _from_backward(grad)
+    if raw is grad:
+        return
+    readers = [op for op in program.users().get(raw, ()) if op.role is Role.OPTIMIZER]
+    if not readers:
+        return
+    first = min(readers, key=program.ops.index)
+    note = Op(OpKind.CALL, "autopar.annotate", (raw,), outputs=[Value(raw.type)],
+              role=Role.OPTIMIZER, module=update.module,
+              attrs={DIST: dist, ORIGIN: f"zero-2 gradient {update.module or '-'}"})
+    program.insert_after(program.ops[program.ops.index(first) - 1], note)
+    for op in readers:
+        op.map_inputs(lambda v, note=note: note.result if v is raw else v)
+
+
+def _from_backward(grad: Value) -> Value:
+    """The gradient as the backward made it: back through the optimizer-role ops that
+    transform it before its update (clipping's ``g * coef``), by the operand shaped like it."""
+    v = grad
+    while (op := v.producer) is not None and op.kind is OpKind.CALL \
+            and op.role is Role.OPTIMIZER:
+        alike = [x for x in op.inputs if x.is_tensor and x.type.shape == v.type.shape]
+        if len(alike) != 1:
+            break
+        v = alike[0]
+    return v
 
 
 def _pin_shard0(value: Value, param: Value, mesh: ProcessMesh, axis: int, stage: int,

@@ -24,7 +24,8 @@ Validity of a step in a state (why each rule exists):
 * A pipeline's micro-batch dim ``mb`` is time, not processes: over it only sums, gathers,
   slices and new partials exist, they cost nothing, and any other step costs once per
   micro-batch while the value still differs between micro-batches (so gradients are
-  accumulated before they are all-reduced).
+  accumulated before they are all-reduced). Norm partials (``P(norm2)``) never live on
+  it: accumulating over time knows sums, maxima and minima only.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from ..ir.dist import (
     Shard,
     format_placements,
     micro_batch_dim,
+    norm_order,
 )
 from .steps import (
     AllGather,
@@ -92,7 +94,8 @@ def step_is_valid(step: Step, shape: Sequence[int], mesh: ProcessMesh,
     state, d = tuple(state), step.mesh_dim
     if state[d] != step.src:
         return False
-    if d == micro_batch_dim(mesh) and not isinstance(step, _OVER_TIME):
+    if d == micro_batch_dim(mesh) and (not isinstance(step, _OVER_TIME)
+                                       or norm_order(getattr(step, "op", "")) is not None):
         return False
     if isinstance(step, (AllReduce, ReduceScatter)) and not _reduction_commutes(state, d):
         return False

@@ -18,10 +18,12 @@ rank's block of group k before group k+1.
 
 * all_to_all(f -> t):      chunk(cat(group pieces, dim=f), t, i)  — what a real all_to_all
                            delivers when the blocks split evenly (the planner ensures it)
-* make_partial(op):        sum: index 0 keeps its piece, the others hold zeros;
-                           avg/max/min: every rank keeps its piece
+* make_partial(op):        sum and finite norms: index 0 keeps its piece, the others hold
+                           zeros; avg/max/min and norminf: every rank keeps its piece
 
-avg is the mean over the group. Pieces are never mutated; every output is a new tensor.
+avg is the mean over the group; a norm op (``P(norm2)``, ``ir.dist.norm_partial``) reduces
+to the p-norm of the group's terms, elementwise (norminf: their largest magnitude). Pieces
+are never mutated; every output is a new tensor.
 """
 from __future__ import annotations
 
@@ -29,7 +31,16 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..ir.dist import ProcessMesh, cat_grouped, chunk_grouped, local_offset, local_size
+from ..ir.dist import (
+    Partial,
+    ProcessMesh,
+    cat_grouped,
+    chunk_grouped,
+    keeps_partial_value,
+    local_offset,
+    local_size,
+    reduce_terms,
+)
 from .steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
 
 __all__ = ["apply_steps", "apply_step"]
@@ -45,16 +56,9 @@ def _chunk(x: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
 
 
 def _reduce(terms: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    stacked = torch.stack(list(terms))
-    if op == "sum":
-        return stacked.sum(0)
-    if op == "avg":
-        return stacked.sum(0) / len(terms)
-    if op == "max":
-        return stacked.amax(0)
-    if op == "min":
-        return stacked.amin(0)
-    raise ValueError(f"unknown reduce op {op!r}")
+    if op == "avg":     # the group's mean, a float even of integer terms
+        return torch.stack(list(terms)).sum(0) / len(terms)
+    return reduce_terms(terms, op)
 
 
 def _group(pieces: Mapping[Coordinate, torch.Tensor], coord: Coordinate,
@@ -93,7 +97,7 @@ def _all_to_all(s: AllToAll, i: int, n: int, group: list[torch.Tensor]) -> torch
 
 
 def _make_partial(s: MakePartial, i: int, n: int, group: list[torch.Tensor]) -> torch.Tensor:
-    if s.op == "sum" and i != 0:
+    if not keeps_partial_value(Partial(s.op), i):
         return torch.zeros_like(group[i])
     return group[i].clone()
 

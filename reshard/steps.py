@@ -15,6 +15,11 @@ real collectives.
 | AllToAll(d, f, t)          | S(f) -> S(t) (plain shards only) |
 | MakePartial(d, op)         | R -> P(op) (sum: index 0 keeps the value, others zeros) |
 
+``op`` may be a norm (``norm2``, ``norm1``, ``norminf``: ``ir.dist.norm_partial``): its
+reduction is the p-norm of the terms (all-reduce: local ``|x|^p``, sum, ``^(1/p)``; norminf:
+max), and MakePartial keeps the value on index 0 (norminf: everywhere), which is exact for
+the non-negative values a norm partial holds.
+
 S -> P and P(x) -> P(y) have no step of their own: they go through R, as does any
 S -> S where either side is a grouped shard (``g`` != 1: ``Shard(t, groups=g)``, ``g`` a
 count of equal groups or their relative widths, ``(2, 1, 1)``: text ``2:1:1 groups``).

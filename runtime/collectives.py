@@ -11,7 +11,9 @@ are the fast ones on NCCL too. Members are ordered by their index along the mesh
 c10d group rank (``MeshAxisGroup.order``). A grouped shard (``S(t)xg``) moves the same
 blocks reordered: reduce-scatter sends member j its chunk of every group
 (``chunk_grouped``), all-gather lays the gathered blocks back group by group
-(``cat_grouped``).
+(``cat_grouped``). A norm partial (``P(norm2)``) reduces as the p-norm of the terms: each
+member raises its piece to ``|x|^p``, the collective sums, the result is taken to ``1/p``
+(``norminf``: the collective takes the max).
 """
 from __future__ import annotations
 
@@ -20,7 +22,16 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..ir.dist import cat_grouped, chunk_grouped, group_widths, local_offset, local_size
+from ..ir.dist import (
+    Partial,
+    cat_grouped,
+    chunk_grouped,
+    group_widths,
+    keeps_partial_value,
+    local_offset,
+    local_size,
+    norm_order,
+)
 from ..lower.executable import BucketStart, BucketWait, StepComm
 from ..reshard.steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
 from .process_groups import MeshAxisGroup, MeshGroups
@@ -48,17 +59,20 @@ def _bucket_start(comm: BucketStart, groups: MeshGroups) -> Callable:
     mesh_dim, reduce = comm.steps[0].mesh_dim, comm.steps[0].op
     shapes = comm.shapes
     sizes = [int(torch.Size(s).numel()) for s in shapes]
-    group, rop = groups[mesh_dim].group, REDUCE_OPS[reduce]
+    group, rop = groups[mesh_dim].group, _reduce_op(reduce)
+    into, out_of = _norm_io(reduce)
 
     def all_reduce_start(*grads: torch.Tensor):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        return dist.all_reduce(flat, op=rop, group=group, async_op=True), flat, sizes, shapes
+        flat = into(torch.cat([g.reshape(-1) for g in grads]))
+        work = dist.all_reduce(flat, op=rop, group=group, async_op=True)
+        return work, flat, sizes, shapes, out_of
     return all_reduce_start
 
 
 def wait_bucket(handle) -> tuple[torch.Tensor, ...]:
-    work, flat, sizes, shapes = handle
+    work, flat, sizes, shapes, out_of = handle
     work.wait()
+    flat = out_of(flat)
     return tuple(piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes))
 
 
@@ -71,13 +85,47 @@ def bind_step(comm: StepComm, groups: MeshGroups) -> Collective:
 
 
 def _all_reduce(step: AllReduce, axis: MeshAxisGroup, shapes) -> Collective:
-    op, group = REDUCE_OPS[step.op], axis.group
+    op, group = _reduce_op(step.op), axis.group
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
         y = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(y, op=op, group=group)
         return y
-    return all_reduce
+    return _as_norm(all_reduce, step.op)
+
+
+def _reduce_op(op: str) -> dist.ReduceOp:
+    """The c10d op that combines the terms: a norm's powered terms add (norminf: max)."""
+    order = norm_order(op)
+    if order is None:
+        return REDUCE_OPS[op]
+    return dist.ReduceOp.MAX if order == float("inf") else dist.ReduceOp.SUM
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _norm_io(op: str) -> tuple[Collective, Collective]:
+    """What goes into the collective and what comes out of it for ``P(norm<p>)`` terms:
+    ``|x|^p`` in, summed, ``^(1/p)`` out (norminf: ``|x|`` in, max) -- ``reshard.simulate``'s
+    p-norm of the terms. Identities for sum/avg/max/min."""
+    order = norm_order(op)
+    if order is None:
+        return _same, _same
+    if order in (1, float("inf")):
+        return torch.abs, _same
+    if order == 2:
+        return (lambda x: x * x), torch.sqrt
+    return (lambda x: x.abs().pow(order)), (lambda y: y.pow(1.0 / order))
+
+
+def _as_norm(collective: Collective, op: str) -> Collective:
+    """``collective`` between ``_norm_io(op)``'s ends (itself for other ops)."""
+    into, out_of = _norm_io(op)
+    if into is _same:
+        return collective
+    return lambda x: out_of(collective(into(x)))
 
 
 def _chunks(size: int, n: int) -> list[tuple[int, int]]:
@@ -101,7 +149,7 @@ def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collect
     t, n, i = step.tensor_dim, axis.size, axis.index
     parts = _chunks(shapes[i][t], n)
     width = parts[0][1]
-    op, group, order = REDUCE_OPS[step.op], axis.group, axis.order
+    op, group, order = _reduce_op(step.op), axis.group, axis.order
     identity = order == tuple(range(n)) and all(length == width for _, length in parts)
 
     def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +161,7 @@ def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collect
         out = flat.new_empty((width,) + tuple(flat.shape[1:]))
         dist.reduce_scatter_single(out, flat, op=op, group=group)
         return out[:parts[i][1]].movedim(0, t).contiguous()
-    return reduce_scatter
+    return _as_norm(reduce_scatter, step.op)
 
 
 def _reduce_scatter_grouped(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collective:
@@ -121,7 +169,7 @@ def _reduce_scatter_grouped(step: ReduceScatter, axis: MeshAxisGroup, shapes) ->
     widths = group_widths(g, shapes[i][t])
     width = sum(local_size(w, n, 0) for w in widths)      # the largest member's piece
     mine = sum(local_size(w, n, i) for w in widths)
-    op, group, order = REDUCE_OPS[step.op], axis.group, axis.order
+    op, group, order = _reduce_op(step.op), axis.group, axis.order
 
     def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
         xt = x.movedim(t, 0)
@@ -129,7 +177,7 @@ def _reduce_scatter_grouped(step: ReduceScatter, axis: MeshAxisGroup, shapes) ->
         out = flat.new_empty((width,) + tuple(flat.shape[1:]))
         dist.reduce_scatter_single(out, flat, op=op, group=group)
         return out[:mine].movedim(0, t).contiguous()
-    return reduce_scatter
+    return _as_norm(reduce_scatter, step.op)
 
 
 def _all_gather(step: AllGather, axis: MeshAxisGroup, shapes) -> Collective:
@@ -186,7 +234,7 @@ def _all_to_all(step: AllToAll, axis: MeshAxisGroup, shapes) -> Collective:
 
 
 def _make_partial(step: MakePartial, axis: MeshAxisGroup, shapes) -> Collective:
-    keeps = step.op != "sum" or axis.index == 0
+    keeps = keeps_partial_value(Partial(step.op), axis.index)
 
     def make_partial(x: torch.Tensor) -> torch.Tensor:
         return x.clone() if keeps else torch.zeros_like(x)

@@ -48,6 +48,8 @@ def cases(mesh: ProcessMesh):
             yield shape, parse_placements(src), parse_placements(dst)
     for src, dst, shape in GROUPED.get(mesh.ndim, ()):
         yield shape, parse_placements(src), parse_placements(dst)
+    for src, dst, shape in NORMS.get(mesh.ndim, ()):
+        yield shape, parse_placements(src), parse_placements(dst)
 
 
 # grouped shards (a fused qkv's interleaved layout): to and from R, P and plain shards;
@@ -67,9 +69,25 @@ GROUPED = {
 }
 
 
+# norm partials (gradient clipping's P(norm2)): all-reduce and reduce-scatter of p-norm terms,
+# nested over two mesh dims, and a replicated norm joining norm terms (make_partial)
+NORMS = {
+    1: [(s, d, shape) for s in ("P(norm2)", "P(norm1)", "P(norminf)", "P(norm3)")
+        for d in ("R", "S(0)") for shape in [(8, 3), (6, 5)]] + [("R", "P(norm2)", (5,))],
+    2: [("P(norm2),P(norm2)", "R,R", ()), ("P(norminf),P(norminf)", "R,R", (5,)),
+        ("P(norm2),R", "P(norm2),P(norm2)", ()), ("S(0),P(norm1)", "R,R", (6, 3))],
+}
+
+
+def _is_norm(p) -> bool:
+    return p.is_partial() and p.norm_order is not None
+
+
 def check_case(mesh, groups, shape, src, dst, seed) -> list[str]:
     gen = torch.Generator().manual_seed(seed)
     glob = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if any(_is_norm(p) for p in (*src, *dst)):
+        glob = glob.abs()       # the value of a norm partial is a norm
     pieces = make_pieces(glob, mesh, src, gen)
     placements, errors = tuple(src), []
     for step in plan_reshard(shape, DistAttr(mesh, tuple(src)), DistAttr(mesh, tuple(dst))):
@@ -84,6 +102,28 @@ def check_case(mesh, groups, shape, src, dst, seed) -> list[str]:
     return errors
 
 
+def check_norm_bucket(mesh, groups, seed) -> list[str]:
+    """An asynchronous bucket of norm all-reduces (an early reduction the bucketing pass
+    starts where its value is made) against the reference."""
+    from autopar.lower.executable import BucketStart
+    from autopar.reshard import AllReduce
+    from autopar.runtime.collectives import bind, wait_bucket
+    errors = []
+    for op in ("norm2", "norminf", "norm1"):
+        gen = torch.Generator().manual_seed(seed)
+        shapes = [(3, 2), ()]
+        steps = [AllReduce(0, op) for _ in shapes]
+        pieces = [make_pieces(torch.rand(s, generator=gen, dtype=torch.float64), mesh,
+                              parse_placements(f"P({op})"), gen) for s in shapes]
+        got = wait_bucket(bind(BucketStart(tuple(steps), tuple(shapes)), groups)(
+            *[p[groups.coordinate] for p in pieces]))
+        for step, p, g in zip(steps, pieces, got):
+            want = apply_step(p, mesh, step)[groups.coordinate]
+            if not torch.allclose(g, want, rtol=1e-12, atol=1e-12):
+                errors.append(f"bucket {step} on {mesh}: got {g}, want {want}")
+    return errors
+
+
 def check_all() -> dict:
     world = int(os.environ["WORLD_SIZE"])
     init_distributed(torch.device("cpu"), world, world)
@@ -95,5 +135,7 @@ def check_all() -> dict:
             kinds.update(s.kind for s in steps)
             errors += check_case(mesh, groups, shape, src, dst, seed)
             checked += 1
+        if mesh.ndim == 1:
+            errors += check_norm_bucket(mesh, groups, checked)
     dist.barrier()
     return {"checked": checked, "errors": errors, "kinds": sorted(kinds)}

@@ -78,28 +78,34 @@ def collectives() -> dict:
     return check_all()
 
 
-def memory_peak(strategy_yaml: str) -> dict:
-    """This rank's predicted peak bytes (``engine.cost``) and the peak the runtime counts
-    (``RankMeter``: the rank's program op by op on its real pieces and collectives) over
-    a training step of the AdamW GPT, after a first step made the optimizer state; then
-    the peak of every storage the compiled step's aten calls allocate (``AllocationMeter``)."""
+def memory_peaks(*strategy_yamls: str) -> list[dict]:
+    """For each strategy in turn (a fresh AdamW GPT and engine, closed after): this rank's
+    predicted peak bytes (``engine.cost``) and the peak the runtime counts (``RankMeter``:
+    the rank's program op by op on its real pieces and collectives) over a training step,
+    after a first step made the optimizer state; then the peak of every storage a step of
+    the compiled program allocates (``AllocationMeter``)."""
     from autopar.models.gpt import lm_loss
     from autopar.runtime.memory import AllocationMeter, RankMeter
-    model = parity_gpt("adamw")
-    optimizer, _ = gpt_optimizer("adamw", model)
-    engine = ap.Engine(model, lm_loss, optimizer, strategy=ap.Strategy.from_yaml_str(strategy_yaml))
     x, y = (torch.stack(t) for t in zip(*lm_data(8, 16, 64)))
-    predicted = engine.cost(x, y)[int(os.environ["RANK"])]
-    first = engine.train_step(x, y)
-    step = engine.planner.plan("train", x, y)
-    compiled = step.executor
-    step.executor = meter = RankMeter(compiled, step.lowered)
-    second = engine.train_step(x, y)
-    step.executor = compiled
-    with AllocationMeter([*engine.runtime.state.tensors.values(), x, y]) as allocated:
-        engine.train_step(x, y)
-    return {"predicted": predicted.peak, "measured": meter.peak, "loss": [first, second],
-            "held": meter.held(), "estimate": predicted, "allocated": allocated.peak}
+    results = []
+    for text in strategy_yamls:
+        model = parity_gpt("adamw")
+        optimizer, _ = gpt_optimizer("adamw", model)
+        engine = ap.Engine(model, lm_loss, optimizer, strategy=ap.Strategy.from_yaml_str(text))
+        predicted = engine.cost(x, y)[int(os.environ["RANK"])]
+        first = engine.train_step(x, y)
+        step = engine.planner.plan("train", x, y)
+        compiled = step.executor
+        step.executor = meter = RankMeter(compiled, step.lowered)
+        second = engine.train_step(x, y)
+        step.executor = compiled
+        with AllocationMeter([*engine.runtime.state.tensors.values(), x, y]) as allocated:
+            engine.train_step(x, y)
+        engine.close()
+        results.append({"predicted": predicted.peak, "measured": meter.peak,
+                        "loss": [first, second], "held": meter.held(), "estimate": predicted,
+                        "allocated": allocated.peak})
+    return results
 
 
 def train_zero(optim: str, steps: str, batch: str, vocab: str, dropout: str) -> dict:
@@ -124,10 +130,10 @@ def train_zero(optim: str, steps: str, batch: str, vocab: str, dropout: str) -> 
     return results
 
 
-def train_meta(stage: str, steps: str) -> dict:
-    """A GPT built on the meta device trained with ZeRO ``stage`` over dp2: each rank draws
-    only its pieces while its executor is made (profiled: the largest allocation), then
-    trains; the model's own tensors stay on meta."""
+def train_meta(layout: str, steps: str) -> dict:
+    """A GPT built on the meta device trained on 2 ranks (``layout``: ``zero3``, ZeRO-3 over
+    dp2; ``pp2``, a 1F1B pipeline): each rank draws only its pieces while its executor is
+    made (profiled: the largest allocation), then trains; the model stays on meta."""
     from autopar.models import GPT, GPTConfig
     from autopar.models.gpt import lm_loss
     torch.manual_seed(0)
@@ -135,9 +141,11 @@ def train_meta(stage: str, steps: str) -> dict:
         model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=65, block_size=16,
                               dropout=0.1))
     optimizer, _ = gpt_optimizer("sgd", model)
-    strategy = ap.Strategy.from_yaml_str(
-        f"mesh: {{shape: [2], dim_names: [dp]}}\ndata_parallel: {{axis: dp}}\n"
-        f"sharding: {{stage: {stage}, axis: dp}}\n")
+    strategy = ap.Strategy.from_yaml_str({
+        "zero3": "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
+                 "sharding: {stage: 3, axis: dp}\n",
+        "pp2": "mesh: {shape: [2], dim_names: [pp]}\n"
+               "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2}\n"}[layout])
     engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy)
     data = lm_data(int(steps) * 4, 16, 65)
     x, y = (torch.stack(t) for t in zip(*data[:4]))
@@ -151,10 +159,9 @@ def train_meta(stage: str, steps: str) -> dict:
     return {"loss": history["loss"], "state": engine.state_dict(), "largest_alloc": largest,
             "held": held, "still_meta": all(p.is_meta for p in model.parameters())}
 
-
 SCENARIOS = {"train_gpt": train_gpt, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
-             "memory_peak": memory_peak, "train_zero": train_zero, "train_meta": train_meta}
+             "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta}
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from autopar.ir.dist import (
     Shard,
     assemble,
     chunk_grouped,
+    norm_order,
     parse_placements,
     shard_tensor_local,
 )
@@ -39,6 +40,14 @@ def mesh_of(*shape, names=None):
 def split_terms(x, op, n, gen):
     """n terms whose op-reduction is x (random, so a wrong reduction shows)."""
     noise = torch.rand((n, *x.shape), generator=gen, dtype=x.dtype)
+    order = norm_order(op)
+    if order is not None:       # terms of a norm are never negative; their p-norm is |x|
+        weights = noise + 0.1
+        if math.isinf(order):
+            winner = torch.randint(n, x.shape, generator=gen)
+            index = torch.arange(n).view(n, *([1] * x.dim()))
+            return list(torch.where(index == winner, x.abs(), x.abs() * noise))
+        return list(weights / torch.linalg.vector_norm(weights, order, dim=0) * x.abs())
     if op in ("sum", "avg"):
         scale = 1 if op == "sum" else n
         terms = torch.cat([noise[:-1], (scale * x - noise[:-1].sum(0))[None]])

@@ -40,6 +40,8 @@ from autopar.ir.dist import (  # noqa: E402
     Shard,
     assemble,
     format_placements,
+    norm_order,
+    norm_partial,
     parse_placements,
     shard_tensor_local,
 )
@@ -93,7 +95,10 @@ def meshes(draw) -> ProcessMesh:
     return ProcessMesh(torch.tensor(ids).reshape(shape).tolist(), dim_names=names)
 
 
-def _placement_options(dtype: torch.dtype, rank: int) -> list[Placement]:
+NORMS = [Partial(norm_partial(p)) for p in (2, 1, math.inf)]
+
+
+def _placement_options(dtype: torch.dtype, rank: int, norms: bool = False) -> list[Placement]:
     options: list[Placement] = [Replicate(), Replicate()]
     options += [Shard(d) for d in range(rank)] * (3 if rank == 1 else 2 if rank == 2 else 1)
     if dtype != torch.bool:
@@ -101,15 +106,22 @@ def _placement_options(dtype: torch.dtype, rank: int) -> list[Placement]:
         options += [Partial("max"), Partial("min")]
         if dtype.is_floating_point:
             options += [Partial("avg")]
+            # a norm partial's value is a norm: only a value that is never negative has one
+            options += NORMS * 2 if norms else []
     return options
 
 
+def _nonnegative(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and bool((x >= 0).all())
+
+
 @st.composite
-def dists(draw, mesh: ProcessMesh, value: Value) -> DistAttr | None:
-    """None (not placed yet) or one placement per mesh dim."""
+def dists(draw, mesh: ProcessMesh, value: Value, like: Any = None) -> DistAttr | None:
+    """None (not placed yet) or one placement per mesh dim (norm partials where ``like``,
+    the value's global tensor, is never negative)."""
     if draw(st.integers(0, 5)) == 0:
         return None
-    options = _placement_options(value.type.dtype, len(value.type.shape))
+    options = _placement_options(value.type.dtype, len(value.type.shape), _nonnegative(like))
     return DistAttr(mesh, tuple(draw(st.sampled_from(options)) for _ in range(mesh.ndim)))
 
 
@@ -155,14 +167,32 @@ def _split_one(v: torch.Tensor, op: str, n: int, gen: torch.Generator) -> list[t
     return terms
 
 
+def _nonnegative_terms(v: torch.Tensor, op: str, n: int, gen: torch.Generator
+                       ) -> list[torch.Tensor]:
+    """n non-negative terms whose ``op``-reduction is ``|v|``: the terms of a value with a
+    norm partial, whose nested terms are norms and so never negative."""
+    magnitude = v.abs()
+    order = norm_order(op)
+    if op in ("max", "min") or (order is not None and math.isinf(order)):
+        owner = torch.randint(0, n, v.shape, generator=gen)
+        scale = torch.rand(v.shape, generator=gen).to(v.dtype) + (1 if op == "min" else 0)
+        return [torch.where(owner == k, magnitude, magnitude * scale) for k in range(n)]
+    weights = torch.rand((n, *v.shape), generator=gen).to(v.dtype) + 0.1
+    total = weights.sum(0) if order is None else torch.linalg.vector_norm(weights, order, dim=0)
+    weights = weights / total * (n if op == "avg" else 1)
+    return [w * magnitude for w in weights]
+
+
 def _terms(value: torch.Tensor, dist: DistAttr, gen: torch.Generator) -> dict[tuple, torch.Tensor]:
     """Full-size terms keyed by the coordinates along the Partial mesh dims. Split top-down
     in mesh-dim order, as assemble reduces innermost (last) mesh dims first."""
     terms = {(): value}
+    norms = any(isinstance(p, Partial) and norm_order(p.op) for p in dist.placements)
+    split = _nonnegative_terms if norms else _split_one
     for m, p in enumerate(dist.placements):
         if isinstance(p, Partial):
             terms = {key + (i,): part for key, v in terms.items()
-                     for i, part in enumerate(_split_one(v, p.op, dist.mesh.shape[m], gen))}
+                     for i, part in enumerate(split(v, p.op, dist.mesh.shape[m], gen))}
     return terms
 
 
@@ -357,7 +387,8 @@ def test_forward_property(target):
     def run(data):
         case = cases[data.draw(st.integers(0, len(cases) - 1), label="case")]
         mesh = data.draw(meshes(), label="mesh")
-        in_dists = [data.draw(dists(mesh, v), label=f"input {i}")
+        given = dict(zip(case.op.inputs, case.inputs))
+        in_dists = [data.draw(dists(mesh, v, given.get(v)), label=f"input {i}")
                     for i, v in enumerate(tensor_inputs(case.op))]
         check(case, mesh, in_dists, data.draw(st.integers(0, 2**31 - 1), label="seed"),
               "forward")
@@ -377,8 +408,8 @@ def test_reverse_property(target):
     def run(data):
         case = cases[data.draw(st.integers(0, len(cases) - 1), label="case")]
         mesh = data.draw(meshes(), label="mesh")
-        hints = [data.draw(dists(mesh, v), label=f"hint {i}") if v.is_tensor else None
-                 for i, v in enumerate(case.op.outputs)]
+        hints = [data.draw(dists(mesh, v, x), label=f"hint {i}") if v.is_tensor else None
+                 for i, (v, x) in enumerate(zip(case.op.outputs, case.outputs))]
         try:
             wanted = rule.reverse(case.op, hints, mesh)
         except Exception as exc:
@@ -511,6 +542,11 @@ LOCAL_FORM_CASES = [
     ("flash-backward-empty-heads",
      _real("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
            "gpt-sdpa-nodrop"), (4,), ["S(1)"] * 6, ["S(1)"] * 3),
+    ("max-norm-empty-piece", _syn("aten.linalg_vector_norm.default", _x(3, 4), math.inf),
+     (4,), ["S(0)"], ["P(norminf)"]),
+    ("max-norm-empty-piece-nested", _syn("aten.linalg_vector_norm.default", _x(5, 2),
+                                         math.inf, [0], True), (2, 3), ["S(0),S(0)"],
+     ["P(norminf),P(norminf)"]),
 ]
 
 

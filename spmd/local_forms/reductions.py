@@ -1,11 +1,12 @@
-"""Means (``mean``, ``mse_loss`` and its backward): the count they divide by is global."""
+"""Means (``mean``, ``mse_loss`` and its backward): the count they divide by is global. The
+max-norm of an empty piece (an uneven shard's trailing rank): 0."""
 from __future__ import annotations
 
 import math
 from typing import Any, Sequence
 
 from ...ir.core import Op
-from ...ir.dist import Partial, Shard
+from ...ir.dist import Partial, Shard, local_shape
 from ...ir.ops import schema_args
 from .context import LocalCall, LocalContext
 from .registry import register_local_form
@@ -81,3 +82,24 @@ def _mse_loss_backward(op: Op, ctx: LocalContext) -> LocalCall | None:
     return LocalCall("autopar.global_mean",
                      ("aten.mse_loss_backward.default", x.type.numel, grad, x, target,
                       _MSE_SUM), {}, f"scale by the global count {x.type.numel}")
+
+
+# ----------------------------------------------------------------------------------------
+# max-norms of empty pieces: 0, the identity of a max over norms
+# ----------------------------------------------------------------------------------------
+@register_local_form("aten.linalg_vector_norm.default")
+def _max_norm_of_empty(op: Op, ctx: LocalContext) -> LocalCall | None:
+    """An uneven shard leaves trailing ranks an empty piece; torch has no inf-norm of an
+    empty dim, but a rank's term of ``P(norminf)`` is 0 there (norms are never negative,
+    so 0 is what the max over ranks ignores)."""
+    a = schema_args(op)
+    x = a["self"]
+    ndim = len(x.type.shape)
+    if float(a["ord"]) != math.inf or not ndim:
+        return None
+    piece = local_shape(x.type.shape, ctx.mesh, ctx.needs[0].placements, ctx.coordinate)
+    if not any(piece[d] == 0 for d in _dims(a["dim"], ndim)):
+        return None
+    dtype = a["dtype"] or op.outputs[0].type.dtype
+    return LocalCall("aten.zeros.default", (list(ctx.out_shape(op, 0)),), {"dtype": dtype},
+                     "inf-norm of an empty piece: 0")

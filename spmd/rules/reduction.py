@@ -1,14 +1,24 @@
 """Reductions: the input is lettered ``abc..``, the output drops the reduced letters (or keeps
 them as unshardable ``1`` dims with keepdim). A sharded reduced letter makes the output
-Partial when the reduction composes over pieces (sum, max, min); otherwise it must be
-replicated (norms, variances, arg-reductions).
+Partial when the reduction composes over pieces (sum, max, min, p-norms); otherwise it must
+be replicated (variances, arg-reductions, norms of order <= 0).
+
+A p-norm (``linalg_vector_norm``, p > 0) over a sharded letter gives ``Partial(norm<p>)``
+(DTensor's ``_NormPartial``): each rank holds the norm of its piece, and the norm of those
+terms is the norm of the whole. A norm of the same order over a ``P(norm<p>)`` input stays
+``P(norm<p>)``, over any dims: ``||(||x_r||)_r|| = ||x||``. So gradient clipping's total
+norm (per-gradient norms, then the norm of their stack) over sharded gradients is one
+all-reduce of a scalar per mesh dim, and no gradient moves.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
 from ...ir.core import Op
-from ..registry import register, tensor_inputs
+from ...ir.dist import micro_batch_dim, norm_order, norm_partial
+from ..einsum import Decision, infer_forward, infer_reverse
+from ..registry import describe, output_types, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
 from .common import same_dtype, schema_args
 
@@ -63,9 +73,66 @@ def amin(op: Op) -> Spec:
 
 
 @register("aten.max.dim", "aten.min.dim", "aten.argmax.default", "aten.argmin.default",
-          "aten.linalg_vector_norm.default", "aten.var.correction", "aten.var_mean.correction",
+          "aten.var.correction", "aten.var_mean.correction",
           "aten.std.correction", "aten.std_mean.correction")
 def whole_reduction(op: Op) -> Spec:
     # Indices, norms and variances of pieces do not combine into the whole's by one op.
     a = schema_args(op)
     return reduction(op, a["dim"], a["keepdim"], None)
+
+
+def vector_norm_spec(op: Op) -> Spec:
+    """``linalg_vector_norm(x, ord, dim, keepdim)``: a p-norm (p > 0) composes over pieces
+    as ``P(norm<p>)`` and passes a ``P(norm<p>)`` input through; other orders (0 counts
+    non-zeros, negative orders) reduce whole."""
+    a = schema_args(op)
+    p = float(a["ord"])
+    if not p > 0:
+        return reduction(op, a["dim"], a["keepdim"], None)
+    norm = norm_partial(p)
+    return reduction(op, a["dim"], a["keepdim"], norm,
+                     linear="sum" if same_dtype(op) else "none", partial_ops={norm})
+
+
+class VectorNorm:
+    """The norm spec, except over a pipeline's micro-batch dim: sums over time (gradient
+    accumulation) know no norm, so a reduced letter the micro-batches cut is gathered."""
+
+    def forward(self, op, in_dists, mesh, available=None) -> Decision:
+        spec = vector_norm_spec(op)
+        mb = micro_batch_dim(mesh)
+        dist = in_dists[0]
+        if mb is not None and dist is not None and norm_order(spec.reduce[0] or "") is not None:
+            cut = dist.placements[mb]
+            if cut.is_shard() and spec.inputs[0][cut.dim] not in (spec.outputs[0] or ""):
+                spec = replace(spec, reduce=(None,) * len(spec.outputs))
+        return infer_forward(spec, mesh, [v.type for v in tensor_inputs(op)], output_types(op),
+                             in_dists, describe(op), available)
+
+    def reverse(self, op, out_hints, mesh):
+        return infer_reverse(vector_norm_spec(op), mesh, [v.type for v in tensor_inputs(op)],
+                             output_types(op), out_hints, describe(op))
+
+
+register("aten.linalg_vector_norm.default")(VectorNorm())
+
+
+def norms_of_every_input(op: Op, in_dists) -> frozenset[str]:
+    """The norm partial ops (``norm2``, ...) that every tensor input of ``op`` is a norm of:
+    it holds ``P(norm<p>)`` terms on some mesh dim, or a p-norm computed it. Such values are
+    never negative, so a replicated one joins ``P(norm<p>)`` terms exactly (kept on one
+    rank, zeros elsewhere): a move (stack) of norms may carry the norm partial through."""
+    found = {p.op for d in in_dists if d is not None for p in d.placements
+             if p.is_partial() and norm_order(p.op) is not None}
+    return frozenset(norm for norm in found
+                     if all(_is_norm(v, d, norm) for v, d in zip(tensor_inputs(op), in_dists)))
+
+
+def _is_norm(value, dist, norm: str) -> bool:
+    if dist is not None and any(p.is_partial() and p.op == norm for p in dist.placements):
+        return True
+    producer = value.producer
+    if producer is None or producer.target != "aten.linalg_vector_norm.default":
+        return False
+    p = float(schema_args(producer)["ord"])
+    return p > 0 and norm_partial(p) == norm

@@ -45,6 +45,7 @@ from ..einsum import Decision, MeshDimChoice, Option, infer_forward, infer_rever
 from ..registry import describe, output_types, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
 from .common import schema_args
+from .reduction import norms_of_every_input
 
 
 def _move(inputs: Sequence[str], outputs: Sequence[str], replicated: Sequence[str] = ()) -> Spec:
@@ -204,11 +205,32 @@ def cat(op: Op) -> Spec:
     return _move(ins, [out], [out[d]] if out else [])
 
 
-@register("aten.stack.default")
 def stack(op: Op) -> Spec:
     a = letters(len(_shape(op)))
     d = _dim(_param(op, 1, "dim", 0), len(a) + 1)
     return _move([a] * len(tensor_inputs(op)), [_insert(a, d)])
+
+
+class Stack:
+    """``stack`` is a move: every partial passes through, and a norm partial
+    (``P(norm2)``) too where every stacked value is a norm of that order (gradient
+    clipping stacks the per-gradient norms: their total norm stays one partial)."""
+
+    def forward(self, op, in_dists, mesh, available=None) -> Decision:
+        norms = norms_of_every_input(op, in_dists)
+        spec = replace(stack(op), partial_ops=stack(op).partial_ops | norms)
+        # Norms are scalars: their reductions cost latency, not bytes, and one reduction of
+        # the stacked norms replaces one per partial input, so carrying the partial is not
+        # priced by the (bigger) stack it leaves owing.
+        return infer_forward(spec, mesh, [v.type for v in tensor_inputs(op)], output_types(op),
+                             in_dists, describe(op), available, owe=not norms)
+
+    def reverse(self, op, out_hints, mesh):
+        return infer_reverse(stack(op), mesh, [v.type for v in tensor_inputs(op)],
+                             output_types(op), out_hints, describe(op))
+
+
+register("aten.stack.default")(Stack())
 
 
 def slice_(op: Op) -> Spec:
