@@ -79,7 +79,7 @@ def collectives() -> dict:
 
 
 def memory_peaks(*strategy_yamls: str) -> list[dict]:
-    """For each strategy in turn (a fresh AdamW GPT and engine, closed after): this rank's
+    """For each strategy in turn (a fresh AdamW GPT and engine): this rank's
     predicted peak bytes (``engine.cost``) and the peak the runtime counts (``RankMeter``:
     the rank's program op by op on its real pieces and collectives) over a training step,
     after a first step made the optimizer state; then the peak of every storage a step of
@@ -101,7 +101,6 @@ def memory_peaks(*strategy_yamls: str) -> list[dict]:
         step.executor = compiled
         with AllocationMeter([*engine.runtime.state.tensors.values(), x, y]) as allocated:
             engine.train_step(x, y)
-        engine.close()
         results.append({"predicted": predicted.peak, "measured": meter.peak,
                         "loss": [first, second], "held": meter.held(), "estimate": predicted,
                         "allocated": allocated.peak})
