@@ -114,16 +114,19 @@ def _print(rows, args: argparse.Namespace, world: int) -> None:
           f"global batch {args.batch}x{args.seq}, AdamW, {world} gloo ranks; MiB per rank")
     print(f"{'config':<18} {'rank':>4} {'predicted':>9} {'measured':>9} {'error':>7} "
           f"{'allocated':>9} {'error':>7}   held: {'params':>8} {'grads':>8} {'optim':>8}")
-    worst = 0.0
+    worst = {"measured": 0.0, "allocated": 0.0}
     for name, rank, est, peak, held, allocated in rows:
         error = (est.peak - peak) / peak
-        worst = max(worst, abs(error))
+        against = (est.peak - allocated) / allocated
+        worst["measured"] = max(worst["measured"], abs(error))
+        worst["allocated"] = max(worst["allocated"], abs(against))
         print(f"{name:<18} {rank:>4} {_mib(est.peak):>9} {_mib(peak):>9} {error:>+7.1%} "
-              f"{_mib(allocated):>9} {(est.peak - allocated) / allocated:>+7.1%}   "
+              f"{_mib(allocated):>9} {against:>+7.1%}   "
               f"{'':>5} {_mib(held['params'])} {_mib(held['grads'])} "
               f"{_mib(held['optimizer_state'])}")
-    verdict = "within" if worst <= TARGET else "NOT within"
-    print(f"largest |error| {worst:.1%}: {verdict} the {TARGET:.0%} target")
+    for how, error in worst.items():
+        verdict = "within" if error <= TARGET else "NOT within"
+        print(f"largest |error| against {how}: {error:.1%}, {verdict} the {TARGET:.0%} target")
 
 
 def main() -> None:
