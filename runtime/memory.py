@@ -14,6 +14,10 @@ their live tensors span. Optional and slow: for checking estimates (tests), neve
 with the same collectives bound to the process's own groups (and, in a pipeline, the same
 ``RankStore`` and messages), dropping each value after its last use as the generated code
 does; the state is the process's own pieces (``RankState``).
+
+``AllocationMeter`` watches the compiled step itself (a ``TorchDispatchMode``): every storage
+an aten call returns counts until its last tensor dies, so it also sees the temporaries
+inside one IR op that the two meters above (and the estimate) do not.
 """
 from __future__ import annotations
 
@@ -248,7 +252,8 @@ class RankMeter:
 
     def _run_pipeline(self, feeds: dict[str, Any], seed: int | None) -> dict[Slot, Any]:
         """``PipelineExecutor.run`` with each job run op by op; what the process's store
-        keeps between jobs counts as live throughout."""
+        keeps between jobs counts as live throughout. Mirrors ``PipelineExecutor._step``
+        (keep the two alike): the store is local to a step there, and the meter needs it."""
         ex = self.executor
         process: PipelineProcess = ex.process
         # the groups of the full pipeline mesh, made by the executor on every process
