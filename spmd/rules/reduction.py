@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Iterable
 
 from ...ir.core import Op
-from ...ir.dist import micro_batch_dim, norm_order, norm_partial
+from ...ir.dist import Partial, micro_batch_dim, norm_order, norm_partial
 from ..einsum import Decision, infer_forward, infer_reverse
 from ..registry import describe, output_types, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
@@ -76,7 +76,7 @@ def amin(op: Op) -> Spec:
           "aten.var.correction", "aten.var_mean.correction",
           "aten.std.correction", "aten.std_mean.correction")
 def whole_reduction(op: Op) -> Spec:
-    # Indices, norms and variances of pieces do not combine into the whole's by one op.
+    # Indices and variances of pieces do not combine into the whole's by one op.
     a = schema_args(op)
     return reduction(op, a["dim"], a["keepdim"], None)
 
@@ -118,21 +118,13 @@ register("aten.linalg_vector_norm.default")(VectorNorm())
 
 
 def norms_of_every_input(op: Op, in_dists) -> frozenset[str]:
-    """The norm partial ops (``norm2``, ...) that every tensor input of ``op`` is a norm of:
-    it holds ``P(norm<p>)`` terms on some mesh dim, or a p-norm computed it. Such values are
-    never negative, so a replicated one joins ``P(norm<p>)`` terms exactly (kept on one
-    rank, zeros elsewhere): a move (stack) of norms may carry the norm partial through."""
+    """The norm partial ops (``norm2``, ...) that every tensor input of ``op`` holds on some
+    mesh dim. A value placed so is a norm, never negative, so where it is replicated on a
+    mesh dim it joins ``P(norm<p>)`` terms exactly (kept on one rank, zeros elsewhere): a
+    move (stack) of such values may carry the norm partial through. (A value whole on every
+    mesh dim does not count, even if a norm made it: a rule decides from placements only,
+    and completion reuses a decision for ops whose types and placements are equal.)"""
     found = {p.op for d in in_dists if d is not None for p in d.placements
              if p.is_partial() and norm_order(p.op) is not None}
     return frozenset(norm for norm in found
-                     if all(_is_norm(v, d, norm) for v, d in zip(tensor_inputs(op), in_dists)))
-
-
-def _is_norm(value, dist, norm: str) -> bool:
-    if dist is not None and any(p.is_partial() and p.op == norm for p in dist.placements):
-        return True
-    producer = value.producer
-    if producer is None or producer.target != "aten.linalg_vector_norm.default":
-        return False
-    p = float(schema_args(producer)["ord"])
-    return p > 0 and norm_partial(p) == norm
+                     if all(d is not None and Partial(norm) in d.placements for d in in_dists))

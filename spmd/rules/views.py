@@ -213,8 +213,9 @@ def stack(op: Op) -> Spec:
 
 class Stack:
     """``stack`` is a move: every partial passes through, and a norm partial
-    (``P(norm2)``) too where every stacked value is a norm of that order (gradient
-    clipping stacks the per-gradient norms: their total norm stays one partial)."""
+    (``P(norm2)``) too where every stacked value holds it on some mesh dim (gradient
+    clipping stacks the per-gradient norms of sharded gradients: their total norm stays
+    one partial)."""
 
     def forward(self, op, in_dists, mesh, available=None) -> Decision:
         norms = norms_of_every_input(op, in_dists)
