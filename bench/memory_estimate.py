@@ -7,7 +7,8 @@ step, counted by the runtime (``runtime.memory.RankMeter``).
 The script launches its own ranks twice (torchrun's environment on a free loopback port,
 one thread each): 2 ranks for dp2 (``configs/dp.yaml``), tp2 (``configs/tp.yaml``), pp2
 1F1B (``configs/pp_1f1b.yaml``), dp2 ZeRO-1 and dp2 ZeRO-3, then 4 ranks for dp2 x tp2
-(``configs/dp_tp.yaml``) and the same with ZeRO-3 over dp (``--no-four`` skips them). For
+(``configs/dp_tp.yaml``), the same with ZeRO-3 over dp, and pp2 x dp2 1F1B
+(``configs/dp_pp.yaml``) with ZeRO-2 over dp (``--no-four`` skips them). For
 each configuration every rank builds the same GPT (AdamW), asks ``engine.cost(x, y)`` for
 its predicted peak before anything runs, trains one step (the optimizer state exists from
 then on), and then runs a second step under ``RankMeter``: the rank's own lowered program
@@ -43,11 +44,12 @@ from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
 from autopar.runtime.memory import AllocationMeter, RankMeter  # noqa: E402
 
-ZERO1, ZERO3 = "sharding: {stage: 1, axis: dp}\n", "sharding: {stage: 3, axis: dp}\n"
+ZERO1, ZERO2, ZERO3 = (f"sharding: {{stage: {s}, axis: dp}}\n" for s in (1, 2, 3))
 CONFIGS = {
     2: {"dp2": "dp", "tp2": "tp", "pp2 1F1B": "pp_1f1b", "dp2 ZeRO-1": ("dp", ZERO1),
         "dp2 ZeRO-3": ("dp", ZERO3)},
-    4: {"dp2 x tp2": "dp_tp", "dp2 x tp2 ZeRO-3": ("dp_tp", ZERO3)},
+    4: {"dp2 x tp2": "dp_tp", "dp2 x tp2 ZeRO-3": ("dp_tp", ZERO3),
+        "pp2 x dp2 ZeRO-2": ("dp_pp", ZERO2)},
 }
 TARGET = 0.10
 
