@@ -50,7 +50,8 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
         param = params.get(name.rpartition("/")[0])
         if param is not None and op.result.type.shape == param.type.shape:
             _pin_shard0(op.result, param, mesh, axis, sharding.stage, f"optimizer state {name!r}")
-            if op.result.dist.placements[axis].is_shard():
+            # a scalar (Adam's step) or a state already cut on the axis is left unpinned
+            if op.result.dist is not None and op.result.dist.placements[axis].is_shard():
                 sharded.setdefault(param, op.result.dist)
     if sharding.stage >= 2:
         for update in [op for op in program.ops if op.role is Role.OPTIMIZER
