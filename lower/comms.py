@@ -10,7 +10,7 @@ from ..ir.attrs import CONST, NAME, STATE, StateKind
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, local_shape
 from ..reshard import plan_reshard
 from ..reshard.comm import BUCKET_STEPS, RESHARD_STEP
-from .executable import BucketStart, BucketWait, Comm, StatePiece, StepComm
+from .executable import BucketStart, BucketWait, Comm, GatherStart, GatherWait, StatePiece, StepComm
 
 __all__ = ["comm_spec", "step_comm", "state_piece", "member_shapes"]
 
@@ -37,10 +37,23 @@ def comm_spec(op: Op, coordinate: Sequence[int]) -> Comm:
         return BucketStart(steps, tuple(local_shape(v.type.shape, v.dist.mesh,
                                                     v.dist.placements, coordinate)
                                         for v in op.args))
+    if op.target == "comm.all_gather_start":
+        return _gather_start(op, coordinate)
     if op.target == "comm.wait":
-        return BucketWait()
+        started = op.args[0].producer.target
+        return GatherWait() if started == "comm.all_gather_start" else BucketWait()
     value = op.args[0]
     return step_comm(op.attrs[RESHARD_STEP], value.type.shape, value.dist, coordinate)
+
+
+def _gather_start(op: Op, coordinate: Sequence[int]) -> GatherStart:
+    steps = op.attrs[BUCKET_STEPS]
+    if len({(s.mesh_dim, v.type.dtype) for s, v in zip(steps, op.args)}) != 1:
+        raise ValueError(f"{op.target} ({op.module or 'top level'}): a unit mixes mesh dims or "
+                         f"dtypes: {steps}")
+    return GatherStart(steps, tuple(member_shapes(v.type.shape, v.dist.mesh, v.dist.placements,
+                                                  coordinate, s.mesh_dim)
+                                    for s, v in zip(steps, op.args)))
 
 
 def _gather_steps(shape: tuple[int, ...], dist: DistAttr, itemsize: int,

@@ -27,8 +27,9 @@ from ..pipeline.timeline import PipelineSchedule
 from ..reshard.steps import Step
 from .pipeline_jobs import JobId, Message, PipelineJobs, RankJobs
 
-__all__ = ["StepComm", "BucketStart", "BucketWait", "Send", "Recv", "Comm", "StatePiece",
-           "ResultLayout", "RankProgram", "JobProgram", "PipelineProcess", "Lowered", "Shape"]
+__all__ = ["StepComm", "BucketStart", "BucketWait", "GatherStart", "GatherWait", "Send", "Recv",
+           "Comm", "StatePiece", "ResultLayout", "RankProgram", "JobProgram", "PipelineProcess",
+           "Lowered", "Shape"]
 
 Shape = tuple[int, ...]
 Slices = tuple[slice, ...]
@@ -57,6 +58,20 @@ class BucketWait:
 
 
 @dataclass(frozen=True)
+class GatherStart:
+    """An asynchronous all-gather of several pieces flattened into one buffer (each member's
+    pieces end to end, padded to the largest member's total)."""
+
+    steps: tuple[Step, ...]                          # one per input: one mesh dim
+    member_shapes: tuple[tuple[Shape, ...], ...]     # per input: each member's piece, by index
+
+
+@dataclass(frozen=True)
+class GatherWait:
+    """The end of a unit's all-gather: the gathered tensors, one per input."""
+
+
+@dataclass(frozen=True)
 class Send:
     message: Message
     peer: int                        # the receiving process
@@ -70,7 +85,7 @@ class Recv:
     dtype: torch.dtype
 
 
-Comm = Union[StepComm, BucketStart, BucketWait, Send, Recv]
+Comm = Union[StepComm, BucketStart, BucketWait, GatherStart, GatherWait, Send, Recv]
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,11 @@ from .functionalize_writes import functionalize_writes
 from .join_gradients import join_gradients
 from .lower_optimizer import lower_optimizer
 from .pin_annotations import pin_annotations
+from .prefetch_gathers import prefetch_gathers
+from .regather_for_backward import regather_for_backward
 from .regroup_flattens import regroup_flattens
 from .reshard import reshard
+from .scatter_gradients_early import scatter_gradients_early
 from .schedule_pipeline import format_schedule, schedule_pipeline
 from .sequence_parallel import sequence_parallel
 from .settle_mesh import settle_mesh
@@ -88,6 +91,10 @@ PIPELINE: tuple[Pass, ...] = (
           reports=(("explain", _explanations),)),
     _pass("reshard", reshard, needs=(F.PLACED,), makes=(F.RESHARDED,)),
     _pass("bucket_collectives", bucket_collectives, needs=(F.RESHARDED, F.STAGES)),
+    _pass("regather_for_backward", regather_for_backward, needs=(F.RESHARDED,),
+          reports=(("explain", _explanations),)),
+    _pass("prefetch_gathers", prefetch_gathers, needs=(F.RESHARDED,)),
+    _pass("scatter_gradients_early", scatter_gradients_early, needs=(F.RESHARDED,)),
     _pass("join_gradients", join_gradients, needs=(F.RESHARDED, F.STAGES)),
     _pass("assign_phases", assign_phases, needs=(F.RESHARDED, F.STAGES), makes=(F.PHASES,)),
     _pass("schedule_pipeline", schedule_pipeline, needs=(F.PHASES,), makes=(F.SCHEDULE,),

@@ -14,10 +14,11 @@ the axis as the backward hands it over, so clipping works on the pieces (its nor
 Stage 3 keeps the parameters sharded too, so nothing gathers the new values; an annotation
 pinning Replicate on the axis just before each phase's first read (forward, and backward
 where the backward reads the parameter itself) makes reshard all-gather it there, instead of
-completion keeping the weight sharded and moving activations. Where the backward reads the
-forward's gathered copy (a saved transpose), that copy lives from forward to backward:
-freeing it after forward and gathering again, and prefetching the next layer's gather, are
-left to a scheduling pass.
+completion keeping the weight sharded and moving activations. Reshard moves a value once,
+so the backward would read the forward's gathered copy (or a saved transpose of it) and the
+copy would live from forward to backward; ``regather_for_backward`` gives the backward its
+own gather, ``prefetch_gathers`` issues each layer's gathers one layer ahead, and
+``scatter_gradients_early`` reduce-scatters each gradient as soon as it is made.
 
 Uneven first dims are allowed (``torch.chunk`` pieces); a state that already shards dim 0 on
 another mesh dim (tensor parallelism) is cut further, nested as in DTensor.
@@ -31,7 +32,18 @@ from ..ir.reason import Reason
 from .context import PassContext
 from .pinning import AnnotationError, pin, trivial_dims_replicated
 
-__all__ = ["zero_sharding"]
+__all__ = ["zero_sharding", "scheduled_axis"]
+
+
+def scheduled_axis(ctx: PassContext, stage: int) -> int | None:
+    """The sharding axis's mesh dim, for the passes that schedule ZeRO's collectives from
+    ``stage`` on; None where they leave the plan alone: no such stage, or a pipeline (there
+    a parameter's gather and a gradient's sum run once a step, outside the micro-batches)."""
+    sharding, mesh = ctx.strategy.sharding, ctx.state.mesh
+    if (mesh is None or sharding is None or sharding.stage < stage
+            or ctx.state.pipeline is not None):
+        return None
+    return mesh.dim_index(sharding.axis)
 
 
 def zero_sharding(program: Program, ctx: PassContext) -> Program:

@@ -32,11 +32,11 @@ from ..ir.dist import (
     local_size,
     norm_order,
 )
-from ..lower.executable import BucketStart, BucketWait, StepComm
+from ..lower.executable import BucketStart, BucketWait, GatherStart, GatherWait, StepComm
 from ..reshard.steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
 from .process_groups import MeshAxisGroup, MeshGroups
 
-__all__ = ["bind", "bind_step", "wait_bucket", "Collective"]
+__all__ = ["bind", "bind_step", "wait_bucket", "wait_gather", "Collective"]
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
 
@@ -44,12 +44,17 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def bind(comm: StepComm | BucketStart | BucketWait, groups: MeshGroups) -> Callable:
+def bind(comm: StepComm | BucketStart | BucketWait | GatherStart | GatherWait,
+         groups: MeshGroups) -> Callable:
     """The callable that runs ``comm`` (a comm spec lowering made) on this process's groups."""
     if isinstance(comm, BucketStart):
         return _bucket_start(comm, groups)
     if isinstance(comm, BucketWait):
         return wait_bucket
+    if isinstance(comm, GatherStart):
+        return _gather_start(comm, groups)
+    if isinstance(comm, GatherWait):
+        return wait_gather
     return bind_step(comm, groups)
 
 
@@ -74,6 +79,43 @@ def wait_bucket(handle) -> tuple[torch.Tensor, ...]:
     work.wait()
     flat = out_of(flat)
     return tuple(piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes))
+
+
+def _gather_start(comm: GatherStart, groups: MeshGroups) -> Callable:
+    """Start one asynchronous all-gather of a unit of pieces: each member's pieces flattened
+    end to end, padded to the largest member's total (uneven torch.chunk pieces; gloo wants
+    equal sizes); ``wait_gather`` ends it and lays each tensor's pieces back together."""
+    axis = groups[comm.steps[0].mesh_dim]
+    n, group, order = axis.size, axis.group, axis.order
+    numels = [[int(torch.Size(shapes[j]).numel()) for j in range(n)]
+              for shapes in comm.member_shapes]
+    width = max(sum(sizes[j] for sizes in numels) for j in range(n))
+    mine = [sizes[axis.index] for sizes in numels]
+
+    def unpack(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        blocks = {j: out[g * width:(g + 1) * width] for g, j in enumerate(order)}
+        results = []
+        for k, (step, shapes) in enumerate(zip(comm.steps, comm.member_shapes)):
+            pieces = []
+            for j in range(n):
+                offset = sum(numels[q][j] for q in range(k))
+                pieces.append(blocks[j][offset:offset + numels[k][j]].view(shapes[j]))
+            results.append(cat_grouped(pieces, step.tensor_dim, step.groups))
+        return tuple(results)
+
+    def all_gather_start(*pieces: torch.Tensor):
+        flat = pieces[0].new_zeros(width)
+        torch.cat([p.reshape(-1) for p in pieces], out=flat[:sum(mine)])
+        out = flat.new_empty(width * n)
+        work = dist.all_gather_into_tensor(out, flat, group=group, async_op=True)
+        return work, out, unpack
+    return all_gather_start
+
+
+def wait_gather(handle) -> tuple[torch.Tensor, ...]:
+    work, out, unpack = handle
+    work.wait()
+    return unpack(out)
 
 
 def bind_step(comm: StepComm, groups: MeshGroups) -> Collective:

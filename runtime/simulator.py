@@ -19,7 +19,15 @@ from ..ir.attrs import MULTI, NAME
 from ..ir.core import Op, OpKind, Slot, Value
 from ..ir.dist import assemble, shard_tensor_local
 from ..ir.ops import draws_random, resolve
-from ..lower.executable import BucketStart, BucketWait, Comm, Lowered, RankProgram
+from ..lower.executable import (
+    BucketStart,
+    BucketWait,
+    Comm,
+    GatherStart,
+    GatherWait,
+    Lowered,
+    RankProgram,
+)
 from ..reshard.simulate import apply_step
 from .rng import forked_generator
 
@@ -43,22 +51,22 @@ def call_op(op, env: dict[Value, Any]) -> list[Any]:
 
 
 def communicate(ops: dict[Coordinate, Any], comm: Comm, envs: dict, mesh) -> None:
-    """One comm op on every rank: a reshard step, a bucket's start (its steps, one per
-    input, run at once: the handle holds the results) or a bucket's wait."""
-    if isinstance(comm, BucketWait):
+    """One comm op on every rank: a reshard step, a bucket's or a gather unit's start (its
+    steps, one per input, run at once: the handle holds the results) or its wait."""
+    started = isinstance(comm, (BucketStart, GatherStart))
+    if isinstance(comm, (BucketWait, GatherWait)):
         for c, op in ops.items():
             for v, x in zip(op.outputs, envs[c][op.args[0]]):
                 envs[c][v] = x
         return
-    steps = comm.steps if isinstance(comm, BucketStart) else (comm.step,)
+    steps = comm.steps if started else (comm.step,)
     results: dict[Coordinate, list] = {c: [] for c in ops}
     for k, step in enumerate(steps):
         moved = apply_step({c: envs[c][op.args[k]] for c, op in ops.items()}, mesh, step)
         for c in ops:
             results[c].append(moved[c])
     for c, op in ops.items():
-        envs[c][op.outputs[0]] = (tuple(results[c]) if isinstance(comm, BucketStart)
-                                  else results[c][0])
+        envs[c][op.outputs[0]] = tuple(results[c]) if started else results[c][0]
 
 
 def _piece(full: Any, value: Value, coordinate: Coordinate) -> Any:

@@ -1,0 +1,129 @@
+"""ZeRO stage 3: prefetch each layer's parameter gathers one layer ahead (FSDP's forward and
+backward prefetch), as asynchronous collectives.
+
+After reshard (and ``regather_for_backward``), each stage-3 parameter is all-gathered from
+its piece just before its first reader in each phase, and a rank waits for it there. Here
+the gathers become *units*: consecutive gathers (in the order of first use) whose first
+readers are in the same module (a layer's weight and bias, a norm's scale and shift) and of
+one dtype. Each unit is one collective over its pieces flattened into one buffer:
+
+    %h2 = comm.all_gather_start(%w2, %b2)      # right after the previous unit's wait
+    ...                                          # the previous unit's compute
+    %W2, %B2 = comm.wait(%h2)                   # where the first of its gathers was
+
+so unit k travels while unit k-1 computes, and at most one unit is in flight ahead of the
+compute (the memory bound). The sequence runs over the whole step, forward units then
+backward ones, so the backward's first gathers travel during the forward's last layer.
+The first unit starts where it waits. Results keep the old comm ops' values, so readers do
+not change. Pipelines keep their gathers: there they run once a step, before the schedule
+(``regather_for_backward`` says why).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import Op, OpKind, Program, Role, StateKind, Value
+from ..ir.attrs import COMM_TEXT, MULTI, NAME, STATE
+from ..ir.core import OpaqueType
+from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
+from ..reshard.steps import AllGather
+from .context import PassContext
+from .zero_sharding import scheduled_axis
+
+__all__ = ["prefetch_gathers"]
+
+HANDLE = OpaqueType("!comm.handle")
+KIB = 1 << 10
+
+
+@dataclass
+class _Unit:
+    gathers: list[Op] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple:
+        first = self.gathers[0]
+        return first.module, first.args[0].type.dtype, first.attrs.get(FOR_ROLE)
+
+
+def prefetch_gathers(program: Program, ctx: PassContext) -> Program:
+    axis = scheduled_axis(ctx, 3)
+    if axis is None:
+        return program
+    units = _units([op for op in program.ops if _is_parameter_gather(op, axis)])
+    if units:
+        program.ops = _rewrite(program.ops, units)
+    return program
+
+
+def _is_parameter_gather(op: Op, axis: int) -> bool:
+    """An all-gather over the sharding axis of a parameter's piece."""
+    if op.kind is not OpKind.COMM or len(op.args) != 1:
+        return False
+    step, source = op.attrs.get(RESHARD_STEP), op.args[0].producer
+    return (isinstance(step, AllGather) and step.mesh_dim == axis and source is not None
+            and source.kind is OpKind.STATE and source.attrs[STATE] is StateKind.PARAM)
+
+
+def _units(gathers: list[Op]) -> list[_Unit]:
+    units: list[_Unit] = []
+    for op in gathers:
+        if units and _Unit([op]).key == units[-1].key:
+            units[-1].gathers.append(op)
+        else:
+            units.append(_Unit([op]))
+    return units
+
+
+def _rewrite(ops: list[Op], units: list[_Unit]) -> list[Op]:
+    position = {op: i for i, op in enumerate(ops)}
+    before: dict[int, list[Op]] = {}    # ops to place right before position i
+    after: dict[int, list[Op]] = {}     # ops to place right after position i
+    replaced: dict[Op, Op | None] = {}  # a unit's first gather -> its wait; the rest: dropped
+    anchors = [position[u.gathers[0]] for u in units]
+    for k, unit in enumerate(units):
+        start, wait = _pair(unit, k)
+        ready = max(position[v.producer] for v in start.inputs)
+        if k > 0 and anchors[k - 1] > ready:
+            after.setdefault(anchors[k - 1], []).append(start)   # one unit ahead
+        else:
+            before.setdefault(anchors[k], []).append(start)
+        replaced.update({g: None for g in unit.gathers})
+        replaced[unit.gathers[0]] = wait
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        out += before.get(i, [])
+        new = replaced.get(op, op)
+        if new is not None:
+            out.append(new)
+        out += after.get(i, [])
+    return out
+
+
+def _pair(unit: _Unit, number: int) -> tuple[Op, Op]:
+    gathers = unit.gathers
+    inputs = tuple(g.args[0] for g in gathers)
+    role = gathers[0].attrs.get(FOR_ROLE, Role.FORWARD)
+    size = sum(g.result.type.numel * g.result.type.dtype.itemsize for g in gathers)
+    names = ", ".join(_source_name(g) for g in gathers)
+    step = gathers[0].attrs[RESHARD_STEP]
+    text = (f"prefetch {number}: zero-3 gather of {names} for {role.name.lower()}, "
+            f"{size / KIB:.1f} KiB, {step}")
+    handle = Value(HANDLE)
+    start = Op(OpKind.COMM, "comm.all_gather_start", inputs, outputs=[handle], role=Role.COMM,
+               module=gathers[0].module,
+               attrs={COMM_TEXT: text, FOR_ROLE: role,
+                      BUCKET_STEPS: tuple(g.attrs[RESHARD_STEP] for g in gathers)})
+    start.needs = tuple(v.dist for v in inputs)
+    handle.producer, handle.index = start, 0
+    results = [g.result for g in gathers]
+    wait = Op(OpKind.COMM, "comm.wait", (handle,), outputs=results, role=Role.COMM,
+              module=gathers[0].module,
+              attrs={COMM_TEXT: f"prefetch {number}", MULTI: True, FOR_ROLE: role})
+    for index, v in enumerate(results):
+        v.producer, v.index = wait, index
+    return start, wait
+
+
+def _source_name(gather: Op) -> str:
+    return gather.args[0].producer.attrs[NAME]
