@@ -168,6 +168,44 @@ def test_pipelines_keep_their_once_a_step_gathers():
     assert gathers and all(op.attrs.get(FOR_ROLE) is not Role.BACKWARD for op in gathers)
 
 
+class _SavedView(torch.nn.Module):
+    """A parameter the forward reads through views (``s[0:1].expand(...)``) that the
+    backward reads again: the input gradient of ``h * view(s)`` is ``grad * view(s)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.s = torch.nn.Parameter(torch.randn(5, 8) * 0.3)
+        self.v = torch.nn.Parameter(torch.randn(8, 4) * 0.3)
+
+    def forward(self, x):
+        h = torch.relu(x @ self.u)
+        h = h * self.s[0:1].expand(h.shape[0], -1)
+        return torch.relu(h) @ self.v
+
+
+def test_a_saved_view_of_a_gathered_parameter_is_rebuilt_for_the_backward():
+    """The backward's reader of the forward's ``expand(slice(s))`` reads a clone of the view
+    chain over the backward's own gather of ``s``; training equals eager."""
+    from .parity import assert_same_losses, assert_same_params, eager_train, regression_data, twin
+    torch.manual_seed(0)
+    model = _SavedView()
+    ref = twin(model)
+    data = regression_data(12, 8, 4)
+    mse = torch.nn.functional.mse_loss
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    want = eager_train(ref, mse, ref_opt, data, batch_size=6, steps=2)
+    engine = Engine(model, mse, opt, strategy=_strategy())
+    got = engine.fit(data, batch_size=6, steps_per_epoch=2, verbose=0)["loss"]
+    assert_same_losses(got, want)
+    assert_same_params(model, ref)
+    program = engine.planner.last("train").program
+    expands = [op for op in program.ops if op.target == "aten.expand.default"]
+    assert [op.role for op in expands] == [Role.FORWARD, Role.BACKWARD]
+    source = expands[1].args[0].producer.args[0].producer      # expand <- slice <- wait
+    assert source.target == "comm.wait" and source.attrs[FOR_ROLE] is Role.BACKWARD
+
+
 # -- the runtime kernel on real gloo ranks ----------------------------------------------------
 
 def _gather_rank(rank: int, path: str, whole: list[torch.Tensor], out: str) -> None:
