@@ -4,16 +4,17 @@ dies after its last forward use (FSDP's reshard-after-forward).
 After reshard, a stage-3 parameter's gather (its comm ops from the piece, then cheap views
 of the whole: an annotation, ``t``, ``view``, ``transpose``, ``expand``...) is shared by
 every reader: reshard moves a value once per placement, and the backward reads the very
-copy the forward gathered (the input gradient of ``x @ t(W)`` reads ``W``, or the saved
-``t(W)``). That copy then lives from the forward to the backward, the whole model at once.
+copy the forward gathered (the input gradient of ``x @ t(W)`` reads ``W``; that of
+``h * s[0:1].expand(...)`` reads the forward's saved view). That copy then lives from the
+forward to the backward, the whole model at once.
 
 Here, for each such parameter, the backward readers of the gathered family get their own
 clone of the chain from the piece (the comm ops and the views, annotations looked through),
 inserted just before the first backward reader, so the forward's copy is freed after its
-last forward reader and the backward's after its last backward reader. A parameter is
-left alone when nothing is allocated between its last forward and first backward reader
-(the head of a language model, read again right after the loss): holding the copy there
-costs nothing, and a second gather would. Pipelines are left alone too: there a gathered
+last forward reader and the backward's after its last backward reader: one more gather
+per such parameter (FSDP's three collectives per step: gather, gather again, reduce-
+scatter), even for a language model's head, read again right after the loss, because the
+loss's logits are where the activations peak. Pipelines are left alone: there a gathered
 parameter is a once-a-step value every micro-batch's forward and backward read, so freeing
 it after a forward would mean one gather per micro-batch and phase (torchtitan turns FSDP's
 reshard-after-forward off under pipeline parallelism for the same reason).
@@ -61,7 +62,7 @@ def regather_for_backward(program: Program, ctx: PassContext) -> Program:
     inserted: dict[Op, list[Op]] = {}
     for family in gathered_families(program):
         _label(family, "forward")
-        if family.forward and family.backward and _allocates_between(program, family, position):
+        if family.forward and family.backward:
             first = min(family.backward, key=position.__getitem__)
             inserted.setdefault(first, []).extend(_regather(family, first))
     if inserted:
@@ -113,20 +114,6 @@ def gathered_families(program: Program) -> list[Family]:
                 (family.backward if _is_backward(reader) else family.forward).append(reader)
         found.append(family)
     return found
-
-
-def _allocates_between(program: Program, family: Family, position: dict[Op, int]) -> bool:
-    """Whether an op between the family's last forward reader and its first backward reader
-    makes a new tensor (so holding the forward's copy there costs memory)."""
-    last = max(position[op] for op in family.forward)
-    first = min(position[op] for op in family.backward)
-    for op in program.ops[last + 1:first]:
-        if op.kind is OpKind.COMM and op.outputs and op.outputs[0].is_tensor:
-            return True
-        if op.kind is OpKind.CALL and op.target != ANNOTATE and not op_info(op.target).view \
-                and any(v.is_tensor for v in op.outputs):
-            return True
-    return False
 
 
 def _label(family: Family, phase: str) -> None:
