@@ -78,7 +78,8 @@ def _is_backward(op: Op) -> bool:
 def _carries(op: Op, family: set[Value]) -> bool:
     """Whether ``op`` is a cheap step of a parameter's gathered copy outside the backward:
     a reshard step, an annotation or a view, reading nothing but the copy."""
-    if _is_backward(op) or op.role is Role.OPTIMIZER or len(op.outputs) != 1:
+    if _is_backward(op) or Role.OPTIMIZER in (op.role, op.attrs.get(FOR_ROLE)) \
+            or len(op.outputs) != 1:
         return False
     if not all(v in family for v in op.inputs if v.is_tensor):
         return False
