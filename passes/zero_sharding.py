@@ -73,7 +73,7 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
         users = program.users()
         for name, param in params.items():
             _pin_shard0(param, param, mesh, axis, sharding.stage, f"parameter {name!r}")
-            if param.dist.placements[axis].is_shard():
+            if param.dist is not None and param.dist.placements[axis].is_shard():
                 _gather_for_uses(program, name, param, axis, users)
     return program
 

@@ -156,10 +156,7 @@ def test_zero_over_an_axis_no_section_splits_the_batch_on(model_name):
     _fit_both(model_name, "adamw", strategy, steps=SHORT)
 
 
-@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.xfail(
-    raises=AttributeError, strict=True,
-    reason="passes/zero_sharding.py stage 3 reads param.dist.placements after _pin_shard0 "
-           "left a 0-dim parameter unpinned (dist None); reported, owned by the stage-3 work"))])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_a_scalar_parameter_stays_replicated(stage):
     _fit_both("scaled", "adamw", _strategy(stage, 2), steps=SHORT)
 
