@@ -106,8 +106,15 @@ class Planner:
                 for process, est in estimates.items():
                     dump.write(process, "memory", format_estimates({process: est}) + "\n")
             check_memory_limit(estimates, self.strategy.memory_limit_gb,
-                               f"planning the {mode} step")
+                               f"planning the {mode} step on {facts.mesh or 'one process'} "
+                               f"({self._sharding_text()})")
         return step
+
+    def _sharding_text(self) -> str:
+        sharding = self.strategy.sharding
+        if sharding is None or not sharding.is_enabled:
+            return "no ZeRO sharding: sharding: {stage: 1|2|3, axis: dp} cuts the state"
+        return f"ZeRO stage {sharding.stage} over {sharding.axis!r}"
 
     def memory(self, step: PlannedStep) -> dict[int, MemoryEstimate]:
         """Every process's plan-time memory estimate (lowering the ones not lowered yet,

@@ -312,6 +312,7 @@ def test_a_memory_limit_stage_0_exceeds_is_met_by_stage_3_of_the_same_model():
         engine.train_step(x, y)
     text = str(err.value)
     assert f"exceeds memory_limit_gb={LIMIT_GB}" in text and "4 of 4 ranks over" in text
+    assert "on mesh[4](dp)" in text and "no ZeRO sharding: sharding: {stage: 1|2|3" in text
     # the biggest holders: whole weights and their AdamW moments on every rank
     assert "layers.1.weight (layers.1) shape [256, 256]" in text
     assert "layers.1.weight/exp_avg_sq (layers.1) shape [256, 256]" in text
