@@ -4,8 +4,10 @@ backward prefetch), as asynchronous collectives.
 After reshard (and ``regather_for_backward``), each stage-3 parameter is all-gathered from
 its piece just before its first reader in each phase, and a rank waits for it there. Here
 the gathers become *units*: consecutive gathers (in the order of first use) whose first
-readers are in the same module (a layer's weight and bias, a norm's scale and shift) and of
-one dtype. Each unit is one collective over its pieces flattened into one buffer:
+readers are in the same repeated layer (``layer_of``: a transformer block; the modules
+outside the layers are the root's; ``sharding.unit: module``: the same module) and of one
+dtype. Each unit is one collective over its
+pieces flattened into one buffer:
 
     %h2 = comm.all_gather_start(%w2, %b2)      # right after the previous unit's wait
     ...                                          # the previous unit's compute
@@ -40,17 +42,31 @@ KIB = 1 << 10
 class _Unit:
     gathers: list[Op] = field(default_factory=list)
 
-    @property
-    def key(self) -> tuple:
+    def key(self, by_layer: bool) -> tuple:
         first = self.gathers[0]
-        return first.module, first.args[0].type.dtype, first.attrs.get(FOR_ROLE)
+        where = layer_of(first.module) if by_layer else first.module
+        return where, first.args[0].type.dtype, first.attrs.get(FOR_ROLE)
+
+
+def layer_of(module: str | None) -> str:
+    """The repeated layer a module belongs to: its path up to the first index
+    (``blocks.3.attn.qkv`` -> ``blocks.3``, ``model.layers.0.mlp`` -> ``model.layers.0``);
+    modules outside any (embeddings, the final norm, the head) are the root's. FSDP's usual
+    wrapping: one unit per transformer block, one for the rest, so a block's parameters
+    travel as one collective (per-collective latency, not bytes, dominates small layers)."""
+    parts = (module or "").split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ""
 
 
 def prefetch_gathers(program: Program, ctx: PassContext) -> Program:
     axis = scheduled_axis(ctx, 3)
     if axis is None:
         return program
-    units = _units([op for op in program.ops if _is_parameter_gather(op, axis)])
+    units = _units([op for op in program.ops if _is_parameter_gather(op, axis)],
+                   by_layer=ctx.strategy.sharding.unit == "layer")
     if units:
         program.ops = _rewrite(program.ops, units)
     return program
@@ -65,10 +81,10 @@ def _is_parameter_gather(op: Op, axis: int) -> bool:
             and source.kind is OpKind.STATE and source.attrs[STATE] is StateKind.PARAM)
 
 
-def _units(gathers: list[Op]) -> list[_Unit]:
+def _units(gathers: list[Op], by_layer: bool) -> list[_Unit]:
     units: list[_Unit] = []
     for op in gathers:
-        if units and _Unit([op]).key == units[-1].key:
+        if units and _Unit([op]).key(by_layer) == units[-1].key(by_layer):
             units[-1].gathers.append(op)
         else:
             units.append(_Unit([op]))

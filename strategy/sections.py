@@ -214,6 +214,9 @@ class ShardingConfig(Section):
                              "3 (and parameters)")
     axis: AxisName = "dp"
     stage: Annotated[int, Field(strict=True)] = 0
+    # stage 3's gather unit: each repeated layer's parameters as one collective (FSDP's
+    # per-block wrapping: few large collectives), or each module's (less memory in flight)
+    unit: Literal["layer", "module"] = "layer"
 
     @field_validator("stage")
     @classmethod

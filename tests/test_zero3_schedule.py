@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import autopar.engine.planner as planner
 from autopar import Engine, ProcessMesh, Strategy
 from autopar.ir import Role, StateKind, format_program
+from autopar.ir.attrs import NAME
 from autopar.ir.dist import Shard, shard_tensor_local
 from autopar.ir.printer import value_names
 from autopar.lower.comms import member_shapes
@@ -36,10 +37,11 @@ def _loss(out, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _strategy(mesh: str = "{shape: [2], dim_names: [dp]}", extra: str = "") -> Strategy:
+def _strategy(mesh: str = "{shape: [2], dim_names: [dp]}", extra: str = "",
+              unit: str = "module") -> Strategy:
     return Strategy.from_yaml_str(f"mesh: {mesh}\ndata_parallel: {{axis: dp}}\n"
-                                  "sharding: {stage: 3, axis: dp}\ndebug: {simulate: true}\n"
-                                  + extra)
+                                  f"sharding: {{stage: 3, axis: dp, unit: {unit}}}\n"
+                                  "debug: {simulate: true}\n" + extra)
 
 
 def _engine(strategy: Strategy, n_embd: int = 64) -> tuple[Engine, GPT]:
@@ -250,3 +252,22 @@ def test_gloo_gathers_an_uneven_unit_whole():
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_layer_units_gather_each_block_as_one_collective():
+    """``sharding.unit: layer`` (the default): a transformer block's parameters travel as
+    one collective per phase (FSDP's per-block wrapping), the modules outside the blocks as
+    the root's units; the step still trains like eager (test_zero runs the default)."""
+    program = _planned(_strategy(unit="layer"))
+    starts = [op for op in program.ops if op.target == "comm.all_gather_start"]
+    names = [[a.producer.attrs[NAME] for a in op.args] for op in starts]
+    for block in ("blocks.0.", "blocks.1."):
+        with_block = [n for n in names if any(x.startswith(block) for x in n)]
+        assert len(with_block) == 2                          # forward, backward
+        assert all(x.startswith(block) for n in with_block for x in n)
+        forward = with_block[0]
+        assert {f"{block}fc1.weight", f"{block}attn.qkv.weight", f"{block}ln1.weight"} \
+            <= set(forward)
+    assert len(starts) < sum(len(n) for n in names) / 4    # far fewer collectives
+    assert Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [dp]}\n"
+                                  "sharding: {stage: 3}").sharding.unit == "layer"
