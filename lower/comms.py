@@ -10,7 +10,17 @@ from ..ir.attrs import CONST, NAME, STATE, StateKind
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, local_shape
 from ..reshard import plan_reshard
 from ..reshard.comm import BUCKET_STEPS, RESHARD_STEP
-from .executable import BucketStart, BucketWait, Comm, GatherStart, GatherWait, StatePiece, StepComm
+from .executable import (
+    BucketStart,
+    BucketWait,
+    Comm,
+    GatherStart,
+    GatherWait,
+    ScatterStart,
+    ScatterWait,
+    StatePiece,
+    StepComm,
+)
 
 __all__ = ["comm_spec", "step_comm", "state_piece", "member_shapes"]
 
@@ -38,22 +48,30 @@ def comm_spec(op: Op, coordinate: Sequence[int]) -> Comm:
                                                     v.dist.placements, coordinate)
                                         for v in op.args))
     if op.target == "comm.all_gather_start":
-        return _gather_start(op, coordinate)
+        return GatherStart(*_unit(op, coordinate, "a unit", pieces_after=False))
+    if op.target == "comm.reduce_scatter_start":
+        return ScatterStart(*_unit(op, coordinate, "a unit of gradients", pieces_after=True))
     if op.target == "comm.wait":
         started = op.args[0].producer.target
-        return GatherWait() if started == "comm.all_gather_start" else BucketWait()
+        return {"comm.all_gather_start": GatherWait(),
+                "comm.reduce_scatter_start": ScatterWait()}.get(started, BucketWait())
     value = op.args[0]
     return step_comm(op.attrs[RESHARD_STEP], value.type.shape, value.dist, coordinate)
 
 
-def _gather_start(op: Op, coordinate: Sequence[int]) -> GatherStart:
+def _unit(op: Op, coordinate: Sequence[int], what: str, pieces_after: bool) -> tuple:
+    """(steps, each input's member pieces) of a unit's start: one collective over its inputs
+    flattened, so one mesh dim, one reduce op and one dtype. The pieces are the inputs' (a
+    gather) or its step's results (a reduce-scatter)."""
     steps = op.attrs[BUCKET_STEPS]
-    if len({(s.mesh_dim, v.type.dtype) for s, v in zip(steps, op.args)}) != 1:
-        raise ValueError(f"{op.target} ({op.module or 'top level'}): a unit mixes mesh dims or "
-                         f"dtypes: {steps}")
-    return GatherStart(steps, tuple(member_shapes(v.type.shape, v.dist.mesh, v.dist.placements,
-                                                  coordinate, s.mesh_dim)
-                                    for s, v in zip(steps, op.args)))
+    if len({(s.mesh_dim, getattr(s, "op", None), v.type.dtype)
+            for s, v in zip(steps, op.args)}) != 1:
+        raise ValueError(f"{op.target} ({op.module or 'top level'}): {what} mixes mesh dims, "
+                         f"reduce ops or dtypes: {steps}")
+    return steps, tuple(member_shapes(v.type.shape, v.dist.mesh,
+                                      s.advance(tuple(v.dist.placements)) if pieces_after
+                                      else v.dist.placements, coordinate, s.mesh_dim)
+                        for s, v in zip(steps, op.args))
 
 
 def _gather_steps(shape: tuple[int, ...], dist: DistAttr, itemsize: int,

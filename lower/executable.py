@@ -27,9 +27,9 @@ from ..pipeline.timeline import PipelineSchedule
 from ..reshard.steps import Step
 from .pipeline_jobs import JobId, Message, PipelineJobs, RankJobs
 
-__all__ = ["StepComm", "BucketStart", "BucketWait", "GatherStart", "GatherWait", "Send", "Recv",
-           "Comm", "StatePiece", "ResultLayout", "RankProgram", "JobProgram", "PipelineProcess",
-           "Lowered", "Shape"]
+__all__ = ["StepComm", "BucketStart", "BucketWait", "GatherStart", "GatherWait", "ScatterStart",
+           "ScatterWait", "Send", "Recv", "Comm", "StatePiece", "ResultLayout", "RankProgram",
+           "JobProgram", "PipelineProcess", "Lowered", "Shape"]
 
 Shape = tuple[int, ...]
 Slices = tuple[slice, ...]
@@ -72,6 +72,21 @@ class GatherWait:
 
 
 @dataclass(frozen=True)
+class ScatterStart:
+    """An asynchronous reduce-scatter of several whole gradients at once: each member's
+    chunks of every input end to end (padded to the largest member's total), so one
+    collective leaves each member its pieces."""
+
+    steps: tuple[Step, ...]                          # one per input: one mesh dim, one op
+    member_shapes: tuple[tuple[Shape, ...], ...]     # per input: each member's piece, by index
+
+
+@dataclass(frozen=True)
+class ScatterWait:
+    """The end of a unit's reduce-scatter: this process's pieces, one per input."""
+
+
+@dataclass(frozen=True)
 class Send:
     message: Message
     peer: int                        # the receiving process
@@ -85,7 +100,8 @@ class Recv:
     dtype: torch.dtype
 
 
-Comm = Union[StepComm, BucketStart, BucketWait, GatherStart, GatherWait, Send, Recv]
+Comm = Union[StepComm, BucketStart, BucketWait, GatherStart, GatherWait, ScatterStart,
+             ScatterWait, Send, Recv]
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,43 @@
-"""ZeRO stages 2 and 3: reduce-scatter each gradient as soon as the backward has made it, so
-no whole gradient waits for the optimizer (FSDP's post-backward reduce-scatter).
+"""ZeRO stages 2 and 3: reduce-scatter gradients as soon as the backward has made them, a
+unit at a time and asynchronously, so no whole gradient waits for the optimizer (FSDP's
+post-backward reduce-scatter).
 
 Reshard puts the reduce-scatter that takes a ``Partial`` gradient to the piece its update
 writes just before that update, after the whole backward: every layer's whole gradient is
-then alive at once at the end of the backward, the peak of a stage-3 step (the parameters
-are sharded, the gathered copies freed). Here each such reduce-scatter moves to right after
-the op that completes its gradient (the last accumulation of a tied weight's terms), so the
-whole gradient dies there and only the piece waits for the update. Nothing else reads a
-moved value before its old position, so the move changes no result. Pipelines are left
-alone: there a gradient is summed over micro-batches first, once a step.
+then alive at once at the end of the backward, the peak of a stage-3 step. Here:
+
+1. each such reduce-scatter moves to right after the op that completes its gradient (the
+   last accumulation of a tied weight's terms); nothing reads a moved value before its old
+   position, so the move changes no result;
+2. consecutive ones of a unit (``sharding.unit``: a repeated layer, as the gathers of
+   ``prefetch_gathers``; or a module) and of one mesh dim, reduce op and dtype become one
+   collective over the gradients flattened:
+
+       %h3 = comm.reduce_scatter_start(%g1, %g2, ...)   # after the unit's last gradient
+       ...                                               # the next unit's backward
+       %p1, %p2, ... = comm.wait(%h3)                   # before the next unit's start
+
+   so a unit's reduce-scatter travels while the backward computes the next, with at most
+   one in flight (its flat buffer is the memory bound). Norm partials (clipping's) and
+   single gradients keep their synchronous reduce-scatter.
+
+Pipelines are left alone: there a gradient is summed over micro-batches first, once a step.
 """
 from __future__ import annotations
 
-from ..ir import Op, OpKind, Program, Role
-from ..reshard.comm import FOR_ROLE, RESHARD_STEP
+from ..ir import Op, OpKind, Program, Role, Value
+from ..ir.attrs import COMM_TEXT, MULTI
+from ..ir.core import OpaqueType
+from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import ReduceScatter
 from .context import PassContext
+from .prefetch_gathers import layer_of
 from .zero_sharding import scheduled_axis
 
 __all__ = ["scatter_gradients_early"]
+
+HANDLE = OpaqueType("!comm.handle")
+BUCKETED_OPS = ("sum", "avg")
 
 
 def scatter_gradients_early(program: Program, ctx: PassContext) -> Program:
@@ -29,10 +48,16 @@ def scatter_gradients_early(program: Program, ctx: PassContext) -> Program:
     for op in program.ops:
         if _is_gradient_scatter(op, axis):
             after.setdefault(op.args[0].producer, []).append(op)
-    if after:
-        movers = {op for scatters in after.values() for op in scatters}
-        program.ops = [new for op in program.ops
-                       for new in ([] if op in movers else [op]) + after.get(op, [])]
+    if not after:
+        return program
+    movers = {op for scatters in after.values() for op in scatters}
+    program.ops = [new for op in program.ops
+                   for new in ([] if op in movers else [op]) + after.get(op, [])]
+    by_layer = ctx.strategy.sharding.unit == "layer"
+    units = [u for u in _units([op for op in program.ops if op in movers], by_layer)
+             if len(u) > 1]
+    if units:
+        program.ops = _rewrite(program, units)
     return program
 
 
@@ -44,3 +69,73 @@ def _is_gradient_scatter(op: Op, axis: int) -> bool:
     return (isinstance(step, ReduceScatter) and step.mesh_dim == axis
             and op.attrs.get(FOR_ROLE) is Role.OPTIMIZER and made is not None
             and made.kind is OpKind.CALL and made.role is Role.BACKWARD)
+
+
+def _key(op: Op, by_layer: bool) -> tuple | None:
+    step = op.attrs[RESHARD_STEP]
+    if step.op not in BUCKETED_OPS:
+        return None                      # a norm partial: its kernel transforms the values
+    module = op.args[0].producer.module
+    return (layer_of(module) if by_layer else module), step.op, op.args[0].type.dtype
+
+
+def _units(scatters: list[Op], by_layer: bool) -> list[list[Op]]:
+    units: list[list[Op]] = []
+    for op in scatters:
+        key = _key(op, by_layer)
+        if key is not None and units and _key(units[-1][-1], by_layer) == key:
+            units[-1].append(op)
+        else:
+            units.append([op])
+    return units
+
+
+def _rewrite(program: Program, units: list[list[Op]]) -> list[Op]:
+    """Each unit's scatters -> a start where its last one was and a wait before the next
+    unit's start (or its results' first reader, if earlier)."""
+    starts, waits = zip(*(_pair(unit, k) for k, unit in enumerate(units)))
+    dropped = {op for unit in units for op in unit}
+    at_last = {unit[-1]: start for unit, start in zip(units, starts)}
+    ops: list[Op] = []
+    for op in program.ops:
+        if op in dropped:
+            if op in at_last:
+                ops.append(at_last[op])
+            continue
+        ops.append(op)
+    for k, wait in enumerate(waits):
+        ops.insert(_wait_position(ops, wait, starts[k + 1] if k + 1 < len(starts) else None),
+                   wait)
+    return ops
+
+
+def _wait_position(ops: list[Op], wait: Op, next_start: Op | None) -> int:
+    results = set(wait.outputs)
+    begin = ops.index(wait.args[0].producer) + 1
+    for i in range(begin, len(ops)):
+        if ops[i] is next_start or any(v in results for v in ops[i].inputs):
+            return i
+    return len(ops) - 1 if ops[-1].kind is OpKind.OUTPUT else len(ops)
+
+
+def _pair(unit: list[Op], number: int) -> tuple[Op, Op]:
+    inputs = tuple(op.args[0] for op in unit)
+    steps = tuple(op.attrs[RESHARD_STEP] for op in unit)
+    size = sum(v.type.numel * v.type.dtype.itemsize for v in inputs)
+    text = (f"reduce-scatter unit {number}: {len(unit)} gradients "
+            f"({unit[0].args[0].producer.module or 'top level'}...), {size / 1024:.1f} KiB, "
+            f"{steps[0]}")
+    handle = Value(HANDLE)
+    start = Op(OpKind.COMM, "comm.reduce_scatter_start", inputs, outputs=[handle],
+               role=Role.COMM, module=unit[0].module,
+               attrs={COMM_TEXT: text, FOR_ROLE: Role.OPTIMIZER, BUCKET_STEPS: steps})
+    start.needs = tuple(v.dist for v in inputs)
+    handle.producer, handle.index = start, 0
+    results = [op.result for op in unit]
+    wait = Op(OpKind.COMM, "comm.wait", (handle,), outputs=results, role=Role.COMM,
+              module=unit[0].module,
+              attrs={COMM_TEXT: f"reduce-scatter unit {number}", MULTI: True,
+                     FOR_ROLE: Role.OPTIMIZER})
+    for index, v in enumerate(results):
+        v.producer, v.index = wait, index
+    return start, wait

@@ -32,11 +32,19 @@ from ..ir.dist import (
     local_size,
     norm_order,
 )
-from ..lower.executable import BucketStart, BucketWait, GatherStart, GatherWait, StepComm
+from ..lower.executable import (
+    BucketStart,
+    BucketWait,
+    GatherStart,
+    GatherWait,
+    ScatterStart,
+    ScatterWait,
+    StepComm,
+)
 from ..reshard.steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
 from .process_groups import MeshAxisGroup, MeshGroups
 
-__all__ = ["bind", "bind_step", "wait_bucket", "wait_gather", "Collective"]
+__all__ = ["bind", "bind_step", "wait_bucket", "wait_gather", "wait_scatter", "Collective"]
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
 
@@ -44,8 +52,8 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def bind(comm: StepComm | BucketStart | BucketWait | GatherStart | GatherWait,
-         groups: MeshGroups) -> Callable:
+def bind(comm: StepComm | BucketStart | BucketWait | GatherStart | GatherWait | ScatterStart
+         | ScatterWait, groups: MeshGroups) -> Callable:
     """The callable that runs ``comm`` (a comm spec lowering made) on this process's groups."""
     if isinstance(comm, BucketStart):
         return _bucket_start(comm, groups)
@@ -55,6 +63,10 @@ def bind(comm: StepComm | BucketStart | BucketWait | GatherStart | GatherWait,
         return _gather_start(comm, groups)
     if isinstance(comm, GatherWait):
         return wait_gather
+    if isinstance(comm, ScatterStart):
+        return _scatter_start(comm, groups)
+    if isinstance(comm, ScatterWait):
+        return wait_scatter
     return bind_step(comm, groups)
 
 
@@ -113,6 +125,50 @@ def _gather_start(comm: GatherStart, groups: MeshGroups) -> Callable:
 
 
 def wait_gather(handle) -> tuple[torch.Tensor, ...]:
+    work, out, unpack = handle
+    work.wait()
+    return unpack(out)
+
+
+def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
+    """Start one asynchronous reduce-scatter of a unit of whole gradients: member j's block
+    is its chunk of every gradient, end to end, padded to the largest member's total (FSDP's
+    flat reduce-scatter); ``wait_scatter`` ends it and cuts this process's block into its
+    pieces."""
+    axis = groups[comm.steps[0].mesh_dim]
+    n, group, order = axis.size, axis.group, axis.order
+    numels = [[int(torch.Size(shapes[j]).numel()) for j in range(n)]
+              for shapes in comm.member_shapes]
+    width = max(sum(sizes[j] for sizes in numels) for j in range(n))
+    op = _reduce_op(comm.steps[0].op)
+
+    def unpack(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        results, offset = [], 0
+        for step, shapes, sizes in zip(comm.steps, comm.member_shapes, numels):
+            mine = shapes[axis.index]
+            moved = (mine[step.tensor_dim],) + tuple(
+                s for d, s in enumerate(mine) if d != step.tensor_dim)
+            piece = out[offset:offset + sizes[axis.index]].view(moved)
+            results.append(piece.movedim(0, step.tensor_dim).contiguous())
+            offset += sizes[axis.index]
+        return tuple(results)
+
+    def block(grads: tuple[torch.Tensor, ...], j: int) -> torch.Tensor:
+        parts = [chunk_grouped(g.movedim(s.tensor_dim, 0), 0, n, j, s.groups).reshape(-1)
+                 for g, s in zip(grads, comm.steps)]
+        flat = grads[0].new_zeros(width)
+        torch.cat(parts, out=flat[:sum(p.numel() for p in parts)])
+        return flat
+
+    def reduce_scatter_start(*grads: torch.Tensor):
+        flat = torch.cat([block(grads, j) for j in order])
+        out = flat.new_empty(width)
+        work = dist.reduce_scatter_tensor(out, flat, op=op, group=group, async_op=True)
+        return work, out, unpack
+    return reduce_scatter_start
+
+
+def wait_scatter(handle) -> tuple[torch.Tensor, ...]:
     work, out, unpack = handle
     work.wait()
     return unpack(out)

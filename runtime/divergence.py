@@ -78,7 +78,8 @@ class _Reference:
             self.whole[op.outputs[0]] = whole.clone() if isinstance(whole, torch.Tensor) \
                 else whole
         elif op.kind is OpKind.COMM:       # moves data, changes no value
-            if op.target in ("comm.all_reduce_start", "comm.all_gather_start"):
+            if op.target in ("comm.all_reduce_start", "comm.all_gather_start",
+                             "comm.reduce_scatter_start"):
                 self.whole[op.outputs[0]] = tuple(self.whole[v] for v in op.args)
             elif op.target == "comm.wait":
                 for v, x in zip(op.outputs, self.whole[op.args[0]]):

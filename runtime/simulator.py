@@ -27,6 +27,8 @@ from ..lower.executable import (
     GatherWait,
     Lowered,
     RankProgram,
+    ScatterStart,
+    ScatterWait,
 )
 from ..reshard.simulate import apply_step
 from .rng import forked_generator
@@ -53,8 +55,8 @@ def call_op(op, env: dict[Value, Any]) -> list[Any]:
 def communicate(ops: dict[Coordinate, Any], comm: Comm, envs: dict, mesh) -> None:
     """One comm op on every rank: a reshard step, a bucket's or a gather unit's start (its
     steps, one per input, run at once: the handle holds the results) or its wait."""
-    started = isinstance(comm, (BucketStart, GatherStart))
-    if isinstance(comm, (BucketWait, GatherWait)):
+    started = isinstance(comm, (BucketStart, GatherStart, ScatterStart))
+    if isinstance(comm, (BucketWait, GatherWait, ScatterWait)):
         for c, op in ops.items():
             for v, x in zip(op.outputs, envs[c][op.args[0]]):
                 envs[c][v] = x

@@ -32,7 +32,7 @@ from autopar.ir.dist import (
 from autopar.models import MLP
 from autopar.models.gpt import lm_loss
 from autopar.reshard import AllReduce, MakePartial, apply_steps, naive_plan, plan_cost, plan_reshard
-from autopar.reshard.comm import RESHARD_STEP
+from autopar.reshard.comm import BUCKET_STEPS, RESHARD_STEP
 
 from .parity import (
     ATOL,
@@ -211,13 +211,15 @@ def test_zero_clipping_moves_only_scalar_norms(stage):
     pieces are all-gathered (stage 2) or stay sharded (stage 3: gathered before use)."""
     model, program = _planned(_mlp, _strategy(stage, 4))
     params = len(list(model.parameters()))
-    scattered = _comms(program, "comm.reduce_scatter")
-    assert len(scattered) == params
-    assert all(op.attrs[RESHARD_STEP].op == "sum" for op in scattered)
+    scattered = _comms(program, "comm.reduce_scatter") + \
+        _comms(program, "comm.reduce_scatter_start")        # a layer's, as one collective
+    assert sum(len(op.args) for op in scattered) == params
+    assert all(step.op == "sum" for op in scattered
+               for step in op.attrs.get(BUCKET_STEPS, (op.attrs.get(RESHARD_STEP),)))
     reduced = _comms(program, "comm.all_reduce")
     assert [(op.attrs[RESHARD_STEP].op, op.args[0].type.shape) for op in reduced] == \
         [("norm2", ())]
-    gradients = {op.args[0] for op in scattered}
+    gradients = {v for op in scattered for v in op.args}
     gathered = _comms(program, "comm.all_gather")
     moved = [v for op in program.ops if op.target.startswith("comm.all_gather")
              for v in op.args]
@@ -232,7 +234,8 @@ def test_zero_clipping_moves_only_scalar_norms(stage):
     assert [v.type.shape for op in buckets for v in op.args] == [()]
     kinds = {op.target for op in program.ops if op.target.startswith("comm.")}
     assert kinds <= {"comm.reduce_scatter", "comm.all_reduce", "comm.all_gather", "comm.slice",
-                     "comm.all_reduce_start", "comm.all_gather_start", "comm.wait"}
+                     "comm.all_reduce_start", "comm.all_gather_start", "comm.reduce_scatter_start",
+                     "comm.wait"}
 
 
 def test_dp_tp_clipping_is_one_scalar_all_reduce_per_mesh_dim():

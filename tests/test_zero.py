@@ -202,16 +202,20 @@ def _planned(stage: int, dp: int):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gradients_are_reduce_scattered_and_parameters_all_gathered(stage):
-    """Per parameter: one reduce-scatter of its gradient to the rank's piece, one all-gather
-    of the updated piece back to the replicated parameter; no gradient is all-reduced (the
-    one all-reduce is the loss)."""
+    """Per parameter: its gradient reduce-scattered to the rank's piece (stage 2: a layer's
+    gradients as one asynchronous collective, right after the backward makes them), one
+    all-gather of the updated piece back to the replicated parameter; no gradient is
+    all-reduced (the one all-reduce is the loss)."""
     model, program = _planned(stage, 4)
     comms = [op for op in program.ops if op.target.startswith("comm.")]
+    scattered = sum(len(op.args) for op in comms
+                    if op.target in ("comm.reduce_scatter", "comm.reduce_scatter_start"))
     count = {t: sum(op.target == t for op in comms)
-             for t in ("comm.reduce_scatter", "comm.all_gather", "comm.all_reduce_start")}
+             for t in ("comm.all_gather", "comm.all_reduce_start")}
     params = len(list(model.parameters()))
-    assert count == {"comm.reduce_scatter": params, "comm.all_gather": params,
-                     "comm.all_reduce_start": 1}
+    assert scattered == params
+    assert count == {"comm.all_gather": params, "comm.all_reduce_start": 1}
+    assert any(op.target == "comm.reduce_scatter_start" for op in comms) == (stage == 2)
     assert all(op.role.value == "comm" for op in comms)
 
 

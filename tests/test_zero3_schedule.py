@@ -72,19 +72,31 @@ def test_peak_drops_by_the_parameters_the_forward_kept(monkeypatch):
     """dp2 stage 3 GPT: without the schedule every gathered parameter lives from its forward
     use to its backward use, so the predicted peak holds about the whole model's parameters;
     with it, it drops by most of them (what is left at the new peak: the gradients, whole
-    until their reduce-scatters, and a layer's gathers). The simulator measures the
-    prediction (within 10%; measured equal here)."""
+    until their reduce-scatters, a layer's gathers and the next unit's, prefetched). The
+    simulator measures the prediction (within 10%; measured equal here)."""
     engine, model = _engine(_strategy())
     after, measured = _predicted_and_measured(engine)
     assert abs(after - measured) <= 0.1 * measured
+    ahead = _largest_prefetch(engine)
     monkeypatch.setattr(planner, "PassManager",
                         functools.partial(PassManager, disabled=SCHEDULE))
     engine, _ = _engine(_strategy())
     before, measured_before = _predicted_and_measured(engine)
     assert abs(before - measured_before) <= 0.1 * measured_before
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert before - after >= 0.75 * whole, (before, after, whole)
-    assert measured_before - measured >= 0.75 * whole
+    # less the unit prefetched at the new peak: its gathered buffer exists from its start
+    assert before - after >= 0.75 * whole - ahead, (before, after, whole, ahead)
+    assert measured_before - measured >= 0.75 * whole - ahead
+
+
+def _largest_prefetch(engine: Engine) -> int:
+    """Bytes of the largest unit of gathered parameters one ``comm.all_gather_start`` holds
+    until its wait (on rank 0)."""
+    x, y = _batch()
+    program = engine.planner.plan("train", x, y).lowered.processes[0].program
+    return max(sum(v.type.numel * v.type.dtype.itemsize for v in op.outputs)
+               for op in program.ops if op.target == "comm.wait"
+               and op.args[0].producer.target == "comm.all_gather_start")
 
 
 def _planned(strategy: Strategy, mode: str = "train"):
@@ -121,19 +133,30 @@ def test_gathers_are_prefetched_one_unit_ahead():
 
 
 def test_gradients_are_reduce_scattered_where_they_are_made():
-    """Each gradient's reduce-scatter runs right after the op that completes the gradient
-    (only other gradients' reduce-scatters in between), and nothing else reads the whole
-    gradient: it dies there instead of waiting for the optimizer with every other one."""
+    """Each gradient goes to a reduce-scatter and nothing else reads it whole: a module's
+    gradients (``unit: module``) travel as one asynchronous ``comm.reduce_scatter_start``
+    right after the op that completes the last of them, and its ``comm.wait`` comes before
+    the next unit's start (one unit in flight); a single gradient keeps a synchronous
+    reduce-scatter right after the op that makes it."""
     program = _planned(_strategy())
     users = program.users()
     position = {op: i for i, op in enumerate(program.ops)}
-    scatters = [op for op in program.ops if op.target == "comm.reduce_scatter"]
-    assert len(scatters) == len(program.states(StateKind.PARAM))
-    for op in scatters:
-        grad = op.args[0]
-        between = program.ops[position[grad.producer] + 1:position[op]]
-        assert grad.producer.role is Role.BACKWARD and users[grad] == [op]
-        assert all(o.target == "comm.reduce_scatter" for o in between), op.module
+    singles = [op for op in program.ops if op.target == "comm.reduce_scatter"]
+    starts = [op for op in program.ops if op.target == "comm.reduce_scatter_start"]
+    assert sum(len(op.args) for op in singles + starts) == len(program.states(StateKind.PARAM))
+    assert starts and all(len(op.args) > 1 for op in starts)
+    for op in singles + starts:
+        last = max(position[g.producer] for g in op.args)
+        between = program.ops[last + 1:position[op]]
+        assert all(g.producer.role is Role.BACKWARD and users[g] == [op] for g in op.args)
+        assert all(o.kind.value == "comm" for o in between), op.module
+    waits = [users[s.result][0] for s in starts]
+    for k in range(1, len(starts)):
+        assert position[starts[k - 1]] < position[waits[k - 1]] < position[starts[k]]
+    layers = [{g.producer.module for g in op.args} for op in
+              _planned(_strategy(unit="layer")).ops
+              if op.target == "comm.reduce_scatter_start"]
+    assert any(len(found) > 2 for found in layers)      # a block's modules, one collective
 
 
 def test_gathers_say_why_in_the_dumps_and_explain():
