@@ -8,7 +8,8 @@ Computed from a process's lowered program alone (local shapes and dtypes; nothin
   code ``del``s it there; results live to the end), and values that alias one buffer (views,
   the results of ops that write their inputs in place) hold it while any of them lives;
 * gradients are the values the optimizer ops read as gradients (or ``grad`` results);
-* communication buffers are the results of comm ops;
+* communication buffers are the results of comm ops, and what a started collective holds
+  until its wait (a gradient bucket's flat copy, a ZeRO-3 gather's buffer);
 * a pipeline process's jobs: the activations held between jobs (carries of every
   micro-batch in flight, replayed over the process's job order) plus the job's own peak.
 
@@ -102,40 +103,94 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _aliases(program: Program) -> dict[Value, Value]:
     """Each tensor value's buffer root: a view's is its input's; an op that writes inputs in
-    place (the optimizer's) returns them, matched to a state input of the same shape and
-    dtype (state first: a gradient of the same shape is read, not written)."""
+    place returns the inputs it wrote (``_written``), whose buffers its results keep."""
     root: dict[Value, Value] = {}
     for op in program.ops:
         tensors = [v for v in op.inputs if v.is_tensor]
-        outs = [v for v in op.outputs if v.is_tensor]
         info = op_info(op.target) if op.kind is OpKind.CALL else None
         if info is not None and info.view and tensors:
-            for v in outs:
-                root[v] = root.get(tensors[0], tensors[0])
+            for v in op.outputs:
+                if v.is_tensor:
+                    root[v] = root.get(tensors[0], tensors[0])
         elif info is not None and info.mutates:
-            free = sorted(tensors, key=lambda v: not _is_state(root.get(v, v)))
-            for v in outs:
-                match = next((t for t in free if t.type.shape == v.type.shape
-                              and t.type.dtype == v.type.dtype), None)
-                if match is not None:
-                    free.remove(match)
-                    root[v] = root.get(match, match)
+            for v, written in zip(op.outputs, _written(op, info)):
+                if v.is_tensor and written is not None and written.is_tensor:
+                    root[v] = root.get(written, written)
     return root
+
+
+# ``lower_optimizer``'s update ops: args (param, grad, hparams, *states), results
+# (param, *states) -- the inputs they write, in order; the gradient is only read
+_OPTIM_READ_ONLY = (1, 2)
+
+
+def _written(op, info) -> list[Value | None]:
+    """The input each result of mutating ``op`` is (None: a new buffer). Optimizer updates by
+    their positional convention (a gradient or another state of the same shape must not be
+    taken for the written one); aten ops by their schema's write aliases; other kernels
+    (``autopar.*``, in place on a like input) by shape and dtype."""
+    if op.target.startswith("optim."):
+        return [v for i, v in enumerate(op.args) if i not in _OPTIM_READ_ONLY
+                and isinstance(v, Value)]
+    if info.schema is not None:
+        return _schema_written(op, info.schema)
+    free = [v for v in op.inputs if v.is_tensor]     # other kernels: the first input alike
+    found: list[Value | None] = []
+    for v in op.outputs:
+        match = next((t for t in free if v.is_tensor and t.type.shape == v.type.shape
+                      and t.type.dtype == v.type.dtype), None)
+        if match is not None:
+            free.remove(match)
+        found.append(match)
+    return found
+
+
+def _schema_written(op, schema) -> list[Value | None]:
+    """An aten op's results paired with the arguments whose alias set they share."""
+    by_set: dict[str, Value] = {}
+    for arg, value in zip(schema.arguments, op.args):
+        alias = arg.alias_info
+        if alias is not None and alias.is_write and isinstance(value, Value):
+            for name in alias.before_set:
+                by_set[name] = value
+    found: list[Value | None] = []
+    for ret in schema.returns:
+        alias = ret.alias_info
+        sets = list(alias.before_set) if alias is not None else []
+        found.append(next((by_set[n] for n in sets if n in by_set), None))
+    return found
 
 
 def _is_state(v: Value) -> bool:
     return v.producer is not None and v.producer.kind is OpKind.STATE
 
 
-def _last_uses(program: Program, root: dict[Value, Value]) -> dict[Value, int]:
+def _buffer_bytes(program: Program) -> dict[Value, int]:
+    """Bytes of every value that holds memory: tensors, and a started collective's handle
+    (not a tensor in the IR), held from the start to its ``comm.wait``: the larger of its
+    flat copy of the inputs (a gradient bucket's, a reduce-scatter's) and its buffer of the
+    wait's results (a ZeRO-3 gather's)."""
+    sizes = {v: value_bytes(v) for op in program.ops for v in op.outputs if v.is_tensor}
+    for op in program.ops:
+        if op.kind is OpKind.COMM and op.target == "comm.wait" and not op.args[0].is_tensor:
+            start = op.args[0].producer
+            sizes[op.args[0]] = max(sum(value_bytes(v) for v in start.inputs),
+                                    sum(value_bytes(v) for v in op.outputs))
+    return sizes
+
+
+def _last_uses(program: Program, root: dict[Value, Value], sizes: dict[Value, int]
+               ) -> dict[Value, int]:
     """Each buffer's last op (results: past the end)."""
     end = len(program.ops)
     last: dict[Value, int] = {}
     for i, op in enumerate(program.ops):
         for v in list(op.outputs) + list(op.inputs):
-            if v.is_tensor:
+            if v in sizes:
                 r = root.get(v, v)
                 last[r] = end if op.kind is OpKind.OUTPUT else max(last.get(r, i), i)
+        if op.target == "comm.wait" and not op.args[0].is_tensor and op.args[0] in sizes:
+            last[op.args[0]] = i - 1     # a handle's buffer becomes its wait's results
     return last
 
 
@@ -153,7 +208,7 @@ def _grads(program: Program) -> set[Value]:
 class _Liveness:
     state: dict[Value, int]                # state roots -> bytes (held throughout)
     peak_live: int                         # largest live non-state bytes at a point
-    at_peak: list[Value]                   # the live buffers there
+    at_peak: dict[Value, int]              # the live buffers there, with their bytes
     grads_peak: int
     activations_peak: int
     comm_peak: int
@@ -164,22 +219,23 @@ def _liveness(program: Program, extra: int = 0, carried: frozenset[str] = frozen
     """Liveness of one program over ``extra`` bytes held outside it; ``carried``: the
     inputs that are such held values (a pipeline job's carried-in activations)."""
     root = _aliases(program)
-    last = _last_uses(program, root)
+    sizes = _buffer_bytes(program)
+    last = _last_uses(program, root, sizes)
     grads = {root.get(g, g) for g in _grads(program)}
     state = {op.result: value_bytes(op.result) for op in program.ops_of(OpKind.STATE)
              if op.result.is_tensor}
     outside = {op.result for op in program.ops_of(OpKind.INPUT) if op.attrs[NAME] in carried}
     live: dict[Value, int] = {}
     comm: set[Value] = set()
-    best = _Liveness(state, 0, [], 0, 0, 0)
+    best = _Liveness(state, 0, {}, 0, 0, 0)
     dying: dict[int, list[Value]] = {}
     for r, i in last.items():
         dying.setdefault(i, []).append(r)
     for i, op in enumerate(program.ops):
         for v in op.outputs:
             r = root.get(v, v)
-            if v.is_tensor and r not in state and r not in outside and r not in live:
-                live[r] = value_bytes(r)
+            if v in sizes and r not in state and r not in outside and r not in live:
+                live[r] = sizes[r]
                 if op.kind is OpKind.COMM:
                     comm.add(r)
         total = sum(live.values()) + extra
@@ -189,7 +245,7 @@ def _liveness(program: Program, extra: int = 0, carried: frozenset[str] = frozen
         best.comm_peak = max(best.comm_peak, c)
         best.activations_peak = max(best.activations_peak, total - extra - g - c)
         if total > best.peak_live:
-            best.peak_live, best.at_peak = total, list(live)
+            best.peak_live, best.at_peak = total, dict(live)
         for r in dying.get(i, ()):
             live.pop(r, None)
     return best
@@ -210,10 +266,10 @@ def _holders(program: Program, live: _Liveness, limit: int = 8) -> list[Holder]:
         name = v.producer.attrs[NAME]
         found.append(Holder(name, v.producer.module or name.rpartition(".")[0],
                             tuple(v.type.shape), b))
-    for v in live.at_peak:
+    for v, b in live.at_peak.items():
         op = v.producer
-        found.append(Holder(f"{names.get(v, '?')} = {op.target}", op.module,
-                            tuple(v.type.shape), value_bytes(v)))
+        shape = tuple(v.type.shape) if v.is_tensor else ()     # a collective's handle
+        found.append(Holder(f"{names.get(v, '?')} = {op.target}", op.module, shape, b))
     found.sort(key=lambda h: -h.bytes)
     return found[:limit]
 

@@ -4,7 +4,8 @@ runs, measured on the real tensors (to check the plan-time estimate, ``lower.mem
 ``measure_step`` runs one step of a lowered plan without a pipeline on the simulator (every
 process, or the one process of a serial plan) with a ``MemoryMeter`` watching every op: it
 drops each value after its last use in the process's program, as the generated code does,
-and counts each live storage once (views and in-place results share their input's). State
+and counts each live storage once (views and in-place results share their input's; a
+started collective's handle counts the tensors it holds until its wait). State
 tensors are counted for the whole step (the runtime's state dict holds them). Storages the
 step did not allocate (a state piece or a feed cut from a full tensor) count only the bytes
 their live tensors span. Optional and slow: for checking estimates (tests), never planning.
@@ -95,6 +96,7 @@ class _Process:
         self.program = program
         self.dying = last_uses(program) if program is not None else {}
         self.live: dict[Value, torch.Tensor] = {}
+        self.handles: dict[Value, list[torch.Tensor]] = {}    # a started collective's buffers
 
     def after(self, i: int, op, env: dict[Value, Any], kept: list[torch.Tensor] = ()) -> None:
         """After op ``i``: its results are live, then the values it last used die.
@@ -103,6 +105,9 @@ class _Process:
         for v in op.outputs:
             x = env.get(v)
             if not isinstance(x, torch.Tensor):
+                if op.kind is OpKind.COMM:
+                    self.handles[v] = [t for t in pytree.tree_leaves(x)
+                                       if isinstance(t, torch.Tensor)]
                 continue
             key = x.untyped_storage().data_ptr()
             if op.kind is OpKind.STATE:
@@ -114,12 +119,14 @@ class _Process:
             if op.kind is OpKind.INPUT and key not in kept_keys:   # a piece of a feed
                 self.external.add(key)
             self.live[v] = x
-        live = _storage_bytes(list(self.live.values()) + list(kept), self.state_storages,
-                              self.external)
+        started = [t for tensors in self.handles.values() for t in tensors]
+        live = _storage_bytes(list(self.live.values()) + started + list(kept),
+                              self.state_storages, self.external)
         self.peak_live = max(self.peak_live, live)
         self._gradient(op, env)
         for v in self.dying.get(i, ()):
             self.live.pop(v, None)
+            self.handles.pop(v, None)
 
     def _gradient(self, op, env: dict[Value, Any]) -> None:
         """An update op's gradient operand (its second: ``lower_optimizer``'s convention)."""
@@ -278,6 +285,7 @@ class RankMeter:
                                          store.feeds(job, bases[max(job.micro_batch, 0)]),
                                          ex.state, lambda: _kept(store))
                 rest = store.absorb(job, ex.slots[job], values)
+                del values
                 if ex.transport is not None:
                     ex.transport.prefetch()
                 if job.phase is Phase.POST:

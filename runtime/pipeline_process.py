@@ -140,6 +140,7 @@ class PipelineExecutor:
             values = self.fns[job](store.feeds(job, bases[max(job.micro_batch, 0)]),
                                    self.state)
             rest = store.absorb(job, self.slots[job], values)
+            del values     # the store keeps what it needs; the rest must not outlive the job
             events.append((job, start, time.perf_counter()))
             if self.transport is not None:
                 self.transport.prefetch()
