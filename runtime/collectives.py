@@ -153,15 +153,19 @@ def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
             offset += sizes[axis.index]
         return tuple(results)
 
-    def block(grads: tuple[torch.Tensor, ...], j: int) -> torch.Tensor:
-        parts = [chunk_grouped(g.movedim(s.tensor_dim, 0), 0, n, j, s.groups).reshape(-1)
-                 for g, s in zip(grads, comm.steps)]
-        flat = grads[0].new_zeros(width)
-        torch.cat(parts, out=flat[:sum(p.numel() for p in parts)])
-        return flat
+    def fill(block: torch.Tensor, grads: tuple[torch.Tensor, ...], j: int) -> None:
+        """Member j's chunks of every gradient, end to end (one copy), zeros after."""
+        offset = 0
+        for g, s in zip(grads, comm.steps):
+            part = chunk_grouped(g.movedim(s.tensor_dim, 0), 0, n, j, s.groups)
+            block[offset:offset + part.numel()].view(part.shape).copy_(part)
+            offset += part.numel()
+        block[offset:].zero_()
 
     def reduce_scatter_start(*grads: torch.Tensor):
-        flat = torch.cat([block(grads, j) for j in order])
+        flat = grads[0].new_empty(width * n)
+        for g, j in enumerate(order):
+            fill(flat[g * width:(g + 1) * width], grads, j)
         out = flat.new_empty(width)
         work = dist.reduce_scatter_tensor(out, flat, op=op, group=group, async_op=True)
         return work, out, unpack
