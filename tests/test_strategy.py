@@ -288,7 +288,7 @@ def test_check_supported_refuses_every_enabled_section() -> None:
     assert err.sections == ("sharding", "amp", "recompute", "gradient_merge")
     message = str(err)
     assert "sharding is not supported yet in this version of autopar" in message
-    assert "sharding: {axis: dp, stage: 3}" in message
+    assert "sharding: {axis: dp, stage: 3, unit: layer}" in message
     assert "amp: {enable: true, dtype: float16}" in message
     assert "grad_clip" not in message and "debug" not in message
     assert pickle.loads(pickle.dumps(err)).sections == err.sections

@@ -31,8 +31,8 @@ def test_stage_3_gathers_each_parameter_per_phase_and_keeps_it_sharded():
     forward use and, where the backward reads it (the input gradient of a layer whose input
     is not data), again before its backward use, in prefetched units (one collective per
     module). The forward's copy (and its views) is read by forward ops only, the backward's
-    by backward ops only; each gradient is reduce-scattered to the piece the update writes,
-    and nothing gathers the new values."""
+    by backward ops only; each gradient is reduce-scattered to the piece the update writes
+    (a layer's as one collective), and nothing gathers the new values."""
     model, program = _planned(3, 4)
     params = program.states(StateKind.PARAM)
     assert all(str(op.result.dist.placements[0]) == "S(0)" for op in params)
@@ -49,5 +49,7 @@ def test_stage_3_gathers_each_parameter_per_phase_and_keeps_it_sharded():
         assert wait.target == "comm.wait" and len(wait.outputs) == len(start.args)
         readers = _copy_readers(program, wait.outputs)
         assert readers and {op.role for op in readers} == {start.attrs[FOR_ROLE]}
-    scatters = [op for op in program.ops if op.target == "comm.reduce_scatter"]
-    assert len(scatters) == len(params)
+    scattered = [v for op in program.ops if op.target in ("comm.reduce_scatter",
+                                                         "comm.reduce_scatter_start")
+                 for v in op.args]
+    assert len(scattered) == len(params)
