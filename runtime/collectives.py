@@ -119,7 +119,7 @@ def _gather_start(comm: GatherStart, groups: MeshGroups) -> Callable:
         flat = pieces[0].new_zeros(width)
         torch.cat([p.reshape(-1) for p in pieces], out=flat[:sum(mine)])
         out = flat.new_empty(width * n)
-        work = dist.all_gather_into_tensor(out, flat, group=group, async_op=True)
+        work = dist.all_gather_single(out, flat, group=group, async_op=True)
         return work, out, unpack
     return all_gather_start
 
@@ -167,7 +167,7 @@ def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
         for g, j in enumerate(order):
             fill(flat[g * width:(g + 1) * width], grads, j)
         out = flat.new_empty(width)
-        work = dist.reduce_scatter_tensor(out, flat, op=op, group=group, async_op=True)
+        work = dist.reduce_scatter_single(out, flat, op=op, group=group, async_op=True)
         return work, out, unpack
     return reduce_scatter_start
 
