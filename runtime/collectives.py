@@ -44,7 +44,7 @@ from ..lower.executable import (
 from ..reshard.steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
 from .process_groups import MeshAxisGroup, MeshGroups
 
-__all__ = ["bind", "bind_step", "wait_bucket", "wait_gather", "wait_scatter", "Collective"]
+__all__ = ["bind", "bind_step", "wait_bucket", "wait_unit", "Collective"]
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
 
@@ -61,12 +61,10 @@ def bind(comm: StepComm | BucketStart | BucketWait | GatherStart | GatherWait | 
         return wait_bucket
     if isinstance(comm, GatherStart):
         return _gather_start(comm, groups)
-    if isinstance(comm, GatherWait):
-        return wait_gather
+    if isinstance(comm, (GatherWait, ScatterWait)):
+        return wait_unit
     if isinstance(comm, ScatterStart):
         return _scatter_start(comm, groups)
-    if isinstance(comm, ScatterWait):
-        return wait_scatter
     return bind_step(comm, groups)
 
 
@@ -96,12 +94,9 @@ def wait_bucket(handle) -> tuple[torch.Tensor, ...]:
 def _gather_start(comm: GatherStart, groups: MeshGroups) -> Callable:
     """Start one asynchronous all-gather of a unit of pieces: each member's pieces flattened
     end to end, padded to the largest member's total (uneven torch.chunk pieces; gloo wants
-    equal sizes); ``wait_gather`` ends it and lays each tensor's pieces back together."""
-    axis = groups[comm.steps[0].mesh_dim]
+    equal sizes); ``wait_unit`` ends it and lays each tensor's pieces back together."""
+    axis, numels, width = _unit_layout(comm, groups)
     n, group, order = axis.size, axis.group, axis.order
-    numels = [[int(torch.Size(shapes[j]).numel()) for j in range(n)]
-              for shapes in comm.member_shapes]
-    width = max(sum(sizes[j] for sizes in numels) for j in range(n))
     mine = [sizes[axis.index] for sizes in numels]
 
     def unpack(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -124,22 +119,23 @@ def _gather_start(comm: GatherStart, groups: MeshGroups) -> Callable:
     return all_gather_start
 
 
-def wait_gather(handle) -> tuple[torch.Tensor, ...]:
-    work, out, unpack = handle
-    work.wait()
-    return unpack(out)
+def _unit_layout(comm: GatherStart | ScatterStart, groups: MeshGroups
+                 ) -> tuple[MeshAxisGroup, list[list[int]], int]:
+    """A unit collective's group axis, each input's piece sizes by member, and the flat
+    block width (the largest member's total: gloo wants equal sizes)."""
+    axis = groups[comm.steps[0].mesh_dim]
+    numels = [[int(torch.Size(shapes[j]).numel()) for j in range(axis.size)]
+              for shapes in comm.member_shapes]
+    return axis, numels, max(sum(sizes[j] for sizes in numels) for j in range(axis.size))
 
 
 def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
     """Start one asynchronous reduce-scatter of a unit of whole gradients: member j's block
     is its chunk of every gradient, end to end, padded to the largest member's total (FSDP's
-    flat reduce-scatter); ``wait_scatter`` ends it and cuts this process's block into its
+    flat reduce-scatter); ``wait_unit`` ends it and cuts this process's block into its
     pieces."""
-    axis = groups[comm.steps[0].mesh_dim]
+    axis, numels, width = _unit_layout(comm, groups)
     n, group, order = axis.size, axis.group, axis.order
-    numels = [[int(torch.Size(shapes[j]).numel()) for j in range(n)]
-              for shapes in comm.member_shapes]
-    width = max(sum(sizes[j] for sizes in numels) for j in range(n))
     op = _reduce_op(comm.steps[0].op)
 
     def unpack(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -172,7 +168,8 @@ def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
     return reduce_scatter_start
 
 
-def wait_scatter(handle) -> tuple[torch.Tensor, ...]:
+def wait_unit(handle) -> tuple[torch.Tensor, ...]:
+    """The end of a unit's gather or reduce-scatter: its tensors, unpacked from the buffer."""
     work, out, unpack = handle
     work.wait()
     return unpack(out)
