@@ -49,12 +49,7 @@ class MetaInitNote(UserWarning):
 
 
 def is_deferred_model(model: torch.nn.Module) -> bool:
-    return any(t.is_meta for t in _state_tensors(model))
-
-
-def _state_tensors(model: torch.nn.Module) -> Iterable[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
+    return any(t.is_meta for _, t in _named_state(model))
 
 
 @dataclasses.dataclass
@@ -68,7 +63,7 @@ class _Root:
     index: PieceIndex | None = None       # the piece to keep (None: dry run, or not held)
     whole: bool = False                   # a use a piece cannot follow (from the dry run)
     why: str = ""
-    uses: int = 0                         # ops touching it (dry run: counted; real: left)
+    uses: int = 0                         # ops that touched it (the dry run's check)
     piece: torch.Tensor | None = None
     full: torch.Tensor | None = None      # a whole tensor's value while it is being written
 
