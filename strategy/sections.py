@@ -237,22 +237,76 @@ class ShardingConfig(Section):
 
 
 class AmpConfig(Section):
-    """Automatic mixed precision: compute in ``dtype``, keep fp32 master weights."""
+    """Automatic mixed precision in ``dtype``.
+
+    ``level`` O1: the casts ``torch.autocast`` makes (the step is captured under autocast,
+    so the program holds exactly eager autocast's casts). O2: each floating parameter is
+    cast to ``dtype`` once at the top of the step and the forward, the activations and the
+    backward run in ``dtype``; the fp32 parameters are the master weights the optimizer
+    updates, with fp32 optimizer state (FSDP2's MixedPrecisionPolicy). ``reduce_dtype``:
+    the dtype gradients are summed in across ranks under O2 (float32: cast, then reduce;
+    the half dtype: reduce, then cast). float16 needs loss scaling: ``loss_scale``
+    "dynamic" (``torch.amp.GradScaler``'s rules with ``init_scale``, ``growth_factor``,
+    ``backoff_factor``, ``growth_interval``) or a fixed number; a step whose gradients hold
+    an inf or nan on any rank is skipped.
+    """
 
     SECTION: ClassVar[str] = "amp"
     enable: StrictBool = False
     dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    level: Literal["O1", "O2"] = "O1"
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    loss_scale: Literal["dynamic"] | Annotated[float, Field(strict=True, gt=0)] | None = None
+    init_scale: Annotated[float, Field(strict=True, gt=0)] = 65536.0
+    growth_factor: Annotated[float, Field(strict=True, gt=1)] = 2.0
+    backoff_factor: Annotated[float, Field(strict=True, gt=0, lt=1)] = 0.5
+    growth_interval: PositiveInt = 2000
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AmpConfig:
+        if self.reduce_dtype not in ("float32", self.dtype):
+            raise ValueError(f"amp reduce_dtype {self.reduce_dtype} must be float32 or the "
+                             f"amp dtype {self.dtype}")
+        if self.reduce_dtype != "float32" and self.level != "O2":
+            raise ValueError(f"amp reduce_dtype {self.reduce_dtype} needs level O2 (under O1 "
+                             "parameters and their gradients stay float32)")
+        if self.enable and self.dtype == "float16" and self.loss_scale is None:
+            raise ValueError("amp dtype float16 needs loss_scale: dynamic (or a fixed number): "
+                             "float16 gradients underflow without it")
+        # a round trip writes every field, so only a value off its default says the user
+        # expects dynamic scaling
+        changed = sorted(name for name in ("init_scale", "growth_factor", "backoff_factor",
+                                           "growth_interval")
+                         if getattr(self, name) != type(self).model_fields[name].default)
+        if self.loss_scale != "dynamic" and changed:
+            raise ValueError(f"amp {changed} only apply to loss_scale: dynamic")
+        return self
 
     @property
     def is_enabled(self) -> bool:
         return self.enable
 
 
+
 class RecomputeConfig(Section):
-    """Activation recomputation: trade backward compute for activation memory."""
+    """Activation recomputation: the forward of each module matched by ``modules`` (glob
+    patterns over module paths, e.g. ``blocks.*``) keeps only its inputs for the backward
+    and is run again just before its backward needs the rest. ``policy`` full recomputes
+    every op of the segment (collectives included); selective keeps the outputs of matmuls,
+    attention and collectives and recomputes only the cheap ops between them (Megatron's
+    selective recompute)."""
 
     SECTION: ClassVar[str] = "recompute"
     enable: StrictBool = False
+    modules: tuple[ModulePattern, ...] = ()
+    policy: Literal["full", "selective"] = "full"
+
+    @model_validator(mode="after")
+    def _modules_when_enabled(self) -> RecomputeConfig:
+        if self.enable and not self.modules:
+            raise ValueError("recompute enable: true needs modules: the module paths to "
+                             "recompute, e.g. [\"blocks.*\"]")
+        return self
 
     @property
     def is_enabled(self) -> bool:
@@ -260,10 +314,13 @@ class RecomputeConfig(Section):
 
 
 class GradientMergeConfig(Section):
-    """Accumulate gradients over ``k_steps`` batches before one optimizer step."""
+    """Accumulate gradients over ``k_steps`` batches before one optimizer step (and one
+    gradient all-reduce / reduce-scatter); ``avg`` divides the sum by ``k_steps``, so k
+    batches of B train like one batch of k*B under a mean loss."""
 
     SECTION: ClassVar[str] = "gradient_merge"
     k_steps: PositiveInt = 1
+    avg: StrictBool = True
 
     @property
     def is_enabled(self) -> bool:

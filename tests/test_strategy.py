@@ -61,8 +61,8 @@ pipeline: {axis: pp, schedule: VPP, vpp_chunks: 2, micro_batches: 8,
 mesh: {shape: [8], dim_names: [dp]}
 data_parallel: {axis: dp}
 sharding: {axis: dp, stage: 3}
-amp: {enable: true, dtype: float16}
-recompute: {enable: true}
+amp: {enable: true, dtype: float16, loss_scale: dynamic}
+recompute: {enable: true, modules: ["blocks.*"]}
 gradient_merge: {k_steps: 4}
 grad_clip: {max_norm: 1.0, norm_type: .inf}
 debug: {dump_dir: /tmp/dumps, verify: false, strict_rules: true}
@@ -149,9 +149,9 @@ def test_unknown_top_level_key_names_it() -> None:
     ("tensor_parallel", "{axis: tp, sequence_paralel: true}", "sequence_paralel"),
     ("pipeline", "{axis: pp, chunks: 2}", "chunks"),
     ("sharding", "{axis: dp, level: 1}", "level"),
-    ("amp", "{enable: true, level: O2}", "level"),
+    ("amp", "{enable: true, opt_level: O2}", "opt_level"),
     ("recompute", "{enable: true, granularity: full}", "granularity"),
-    ("gradient_merge", "{k_steps: 2, avg: true}", "avg"),
+    ("gradient_merge", "{k_steps: 2, average: true}", "average"),
     ("grad_clip", "{max_norm: 1.0, clip_value: 3}", "clip_value"),
     ("debug", "{verify: true, dump: x}", "dump"),
 ])
@@ -191,6 +191,13 @@ def test_bad_file_error_names_the_file(tmp_path: Path) -> None:
     ("pipeline: {vpp_chunks: 2}", "needs schedule VPP"),
     ("pipeline: {split: blocks.2}", "split"),
     ("gradient_merge: {k_steps: 0}", "greater than or equal to 1"),
+    ("amp: {enable: true, dtype: float16}", "needs loss_scale"),
+    ("amp: {level: O1, reduce_dtype: bfloat16}", "needs level O2"),
+    ("amp: {level: O2, dtype: bfloat16, reduce_dtype: float16}", "must be float32 or"),
+    ("amp: {loss_scale: 128.0, growth_interval: 10}", "only apply to loss_scale: dynamic"),
+    ("amp: {level: O3}", "O1"),
+    ("recompute: {enable: true}", "needs modules"),
+    ("recompute: {enable: true, modules: [a], policy: some}", "selective"),
     ("gradient_merge: {k_steps: '2'}", "valid integer"),
     ("grad_clip: {max_norm: 0}", "max_norm must be a finite number > 0"),
     ("grad_clip: {max_norm: -1.5}", "max_norm must be a finite number > 0"),
@@ -289,7 +296,7 @@ def test_check_supported_refuses_every_enabled_section() -> None:
     message = str(err)
     assert "sharding is not supported yet in this version of autopar" in message
     assert "sharding: {axis: dp, stage: 3, unit: layer}" in message
-    assert "amp: {enable: true, dtype: float16}" in message
+    assert "amp: {enable: true, dtype: float16, level: O1" in message
     assert "grad_clip" not in message and "debug" not in message
     assert pickle.loads(pickle.dumps(err)).sections == err.sections
     s.check_supported({"mesh", "data_parallel", "sharding", "amp", "recompute",
@@ -374,8 +381,9 @@ def strategies(draw: st.DrawFn) -> Strategy:
         d["sharding"] = {"axis": draw(st.sampled_from(sharding_axes)),
                          "stage": draw(st.integers(0, 3))}
     d["amp"] = {"enable": draw(st.booleans()),
-                "dtype": draw(st.sampled_from(["bfloat16", "float16"]))}
-    d["recompute"] = {"enable": draw(st.booleans())}
+                "dtype": draw(st.sampled_from(["bfloat16", "float16"])),
+                "loss_scale": draw(st.sampled_from(["dynamic", 1024.0]))}
+    d["recompute"] = {"enable": draw(st.booleans()), "modules": ["blocks.*"]}
     d["gradient_merge"] = {"k_steps": draw(st.integers(1, 64))}
     d["grad_clip"] = {
         "max_norm": draw(st.none() | st.floats(min_value=1e-30, max_value=1e30)),
