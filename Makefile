@@ -30,6 +30,7 @@ bench: $(VENV_STAMP)
 	$(PY) bench/zero_memory.py
 	$(PY) bench/zero_vs_fsdp2.py
 	$(PY) bench/memory_estimate.py
+	$(PY) bench/recompute.py
 
 clean:
 	rm -rf .venv

@@ -37,7 +37,7 @@ from .planner import PlannedStep, Planner
 # Strategy sections this version can plan (completion places every value); any other
 # enabled section is refused up front.
 PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel", "pipeline",
-                              "expert_parallel", "sharding"}
+                              "expert_parallel", "sharding", "recompute"}
 
 Metric = Callable[[Any, Any], float]
 

@@ -121,6 +121,9 @@ class Op:
     # Set by completion: the placement each tensor input must have (``op.inputs`` order,
     # tensors only). Where it differs from the input's own, reshard inserts communication.
     needs: tuple = ()
+    # a recomputed clone's original (passes/recompute.py): the forward op it runs again so
+    # the backward need not keep its results
+    recomputes: "Op | None" = None
 
     @property
     def inputs(self) -> list[Value]:
@@ -260,7 +263,9 @@ class Program:
                 remap[old_v] = new_v
             copied.add(new)
         forward_map = {old.uid: new for old, new in zip(self.ops, copied.ops)}
-        for new in copied.ops:
+        for old, new in zip(self.ops, copied.ops):
             if new.forward_op is not None:
                 new.forward_op = forward_map.get(new.forward_op.uid)
+            if old.recomputes is not None:
+                new.recomputes = forward_map.get(old.recomputes.uid)
         return copied

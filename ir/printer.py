@@ -71,6 +71,8 @@ def _format_op(op: Op, name: _Namer) -> str:
     note = [op.module or "-", op.role.value]
     if op.forward_op is not None and op.forward_op.outputs:
         note.append(f"of {name(op.forward_op.outputs[0])}")
+    if op.recomputes is not None and op.recomputes.outputs:
+        note.append(f"again of {name(op.recomputes.outputs[0])}")
     replaced = {n for k in op.attrs for n in k.replaces}
     note += [k.note(v) for k, v in op.attrs.items() if k.note is not None
              and k.name not in replaced]     # e.g. where a pipeline runs the op

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..ir import Op, OpaqueType, OpKind, Program, Role, Slot, Value, verify
+from ..ir import Op, OpKind, Program, Role, Slot, Value, verify
 from ..ir.attrs import COMM_TEXT, LOCAL_NOTE, NAME, SLOTS, Attr
 from ..ir.dist import micro_batch_dim
+from ..ir.kernels.rng import RNG_STATE
 from ..ir.ops import draws_random
 from ..pipeline.phases import Phase
 from ..reshard.comm import RESHARD_STEP
 from ..reshard.steps import MakePartial, Slice
 from .pipeline_jobs import MESSAGE, JobId, PipelineJobs, RankJobs
 
-RNG_STATE = OpaqueType("!rng.state")
 GLOBAL_OP: Attr[Op] = Attr("global_op", Op, "a job's comm op: the global op it was cut from")
 
 
@@ -142,8 +142,9 @@ class _JobBuilder:
                          "over micro-batches runs between jobs, not in one")
 
     def _restore_rng(self, global_op: Op) -> None:
-        """Set the generator to the state eager has at this random op (``runtime.rng``)."""
-        key = self.plan.names[global_op.outputs[0]]
+        """Set the generator to the state eager has at this random op (``runtime.rng``); a
+        recomputed one's (passes/recompute.py) is its original's, so it redraws the same."""
+        key = self.plan.names[(global_op.recomputes or global_op).outputs[0]]
         state = self.out.add(Op(OpKind.INPUT, "input", outputs=[Value(RNG_STATE)],
                                 role=Role.COMM, attrs={NAME: f"rng/{key}"})).result
         self.out.add(Op(OpKind.CALL, "autopar.set_rng_state", (state,), outputs=[],
@@ -177,8 +178,10 @@ def _mb(message) -> str:
 
 
 def random_ops(program: Program) -> Sequence[Op]:
-    """The ops of the global program that draw random numbers, in program order."""
-    return [op for op in program.ops if op.kind is OpKind.CALL and draws_random(op)]
+    """The ops of the global program that draw random numbers, in program order, as eager
+    draws them: once each (a recomputed clone redraws its original's state)."""
+    return [op for op in program.ops
+            if op.kind is OpKind.CALL and op.recomputes is None and draws_random(op)]
 
 
 __all__ = ["job_program", "local_keys", "random_ops", "RNG_STATE", "GLOBAL_OP"]

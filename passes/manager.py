@@ -30,6 +30,7 @@ from .join_gradients import join_gradients
 from .lower_optimizer import lower_optimizer
 from .pin_annotations import pin_annotations
 from .prefetch_gathers import prefetch_gathers
+from .recompute import format_recompute, recompute
 from .regather_for_backward import regather_for_backward
 from .regroup_flattens import regroup_flattens
 from .reshard import reshard
@@ -90,6 +91,8 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("completion", completion, needs=(F.MESH,), makes=(F.PLACED,),
           reports=(("explain", _explanations),)),
     _pass("reshard", reshard, needs=(F.PLACED,), makes=(F.RESHARDED,)),
+    _pass("recompute", recompute, needs=(F.RESHARDED,),
+          reports=(("recompute", format_recompute),)),
     _pass("bucket_collectives", bucket_collectives, needs=(F.RESHARDED, F.STAGES)),
     _pass("regather_for_backward", regather_for_backward, needs=(F.RESHARDED,),
           reports=(("explain", _explanations),)),

@@ -43,6 +43,8 @@ def call_op(op, env: dict[Value, Any]) -> list[Any]:
     args, kwargs = pytree.tree_map(swap, (op.args, op.kwargs),
                                    is_leaf=lambda a: isinstance(a, Value))
     out = resolve(op.target)(*args, **kwargs)
+    if not op.outputs:           # an effect only (setting the generator back)
+        return []
     if len(op.outputs) == 1 and not op.attrs.get(MULTI):
         return [out]
     out = list(out)

@@ -5,7 +5,8 @@ their traits as this package loads:
   it (vocab-parallel embedding and nll_loss, means over a global count, empty pieces,
   the annotation identity); the local forms in ``spmd/local_forms`` choose them;
 * ``random`` — a rank's slice of one global random draw;
-* ``pipeline`` — a micro-batch's slice or term of a value, restoring the generator;
+* ``pipeline`` — a micro-batch's slice or term of a value;
+* ``rng`` — reading and setting the generator (recomputed and pipelined random ops);
 * ``optim`` — torch.optim's own update functions, one param or one param group per call.
 """
-from . import optim, pipeline, random, sharded  # noqa: F401
+from . import optim, pipeline, random, rng, sharded  # noqa: F401

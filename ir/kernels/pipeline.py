@@ -1,17 +1,11 @@
-"""Kernels of pipeline jobs: a micro-batch's piece of a value, and eager's generator state."""
+"""Kernels of pipeline jobs: a micro-batch's piece of a value (the generator's state is
+set by ``rng.set_rng_state``)."""
 from __future__ import annotations
 
 import torch
 
 from ..dist import chunk_grouped
 from ..ops import kernel
-
-
-@kernel("autopar.set_rng_state", mutates=True)
-def set_rng_state(state: torch.Tensor) -> None:
-    """Put the CPU generator where eager's is at a random op (a pipeline rank does not run
-    the random ops of other stages, which eager drew before this one)."""
-    torch.default_generator.set_state(state)
 
 
 @kernel("autopar.micro_batch_slice")
