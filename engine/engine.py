@@ -37,7 +37,8 @@ from .planner import PlannedStep, Planner
 # Strategy sections this version can plan (completion places every value); any other
 # enabled section is refused up front.
 PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel", "pipeline",
-                              "expert_parallel", "sharding", "recompute"}
+                              "expert_parallel", "sharding", "recompute",
+                              "gradient_merge"}
 
 Metric = Callable[[Any, Any], float]
 
@@ -71,6 +72,11 @@ class Engine:
         if self.strategy.debug.trace and self.dump_dir is None:
             raise ValueError("debug.trace writes <dump_dir>/pipeline_trace.json: set "
                              "debug.dump_dir (or AUTOPAR_DUMP_DIR)")
+        merge = self.strategy.gradient_merge
+        if merge.is_enabled and optimizer is None:
+            raise ValueError(f"gradient_merge: {{k_steps: {merge.k_steps}}} accumulates "
+                             "gradients for an optimizer step, but Engine(...) has no "
+                             "optimizer: pass optimizer=..., or drop gradient_merge")
         self.state = ModelState(model, optimizer, init_fn)
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
@@ -83,15 +89,18 @@ class Engine:
                                dump_dir=self.dump_dir,
                                process=self.launch.rank if self.distributed else None,
                                every=simulate or offline is not None)
-        self.global_step = 0
+        self.global_step = 0      # optimizer steps (gradient merge: one per k_steps batches)
+        self.batches_trained = 0  # training batches run; batch i draws seed + i
         self.history: dict[str, list[float]] = {}
         self.closed = False
 
     # -- planning -----------------------------------------------------------------------
-    def prepare(self, inputs: Any, labels: Any = None, mode: str = "train") -> Program:
+    def prepare(self, inputs: Any, labels: Any = None, mode: str = "train",
+                accumulate_only: bool = False) -> Program:
         """Plan the program for a sample (global) batch without running it: in one plain
-        process, for any mesh size. Dumps are written; ``explain`` answers questions."""
-        return self.planner.plan(mode, inputs, labels).program
+        process, for any mesh size. Dumps are written; ``explain`` answers questions.
+        ``accumulate_only``: gradient merge's training step that only accumulates."""
+        return self.planner.plan(mode, inputs, labels, accumulate_only).program
 
     def cost(self, inputs: Any, labels: Any = None, mode: str = "train"
              ) -> dict[int, MemoryEstimate]:
@@ -120,11 +129,13 @@ class Engine:
         return summarize(step.program, step.facts.mesh, step.lowered.jobs)
 
     def locate_divergence(self, inputs: Any, labels: Any = None, seed: int | None = None,
-                          rtol: float = 1e-4, atol: float = 1e-5) -> Divergence | None:
+                          rtol: float = 1e-4, atol: float = 1e-5,
+                          accumulate_only: bool = False) -> Divergence | None:
         """Run one training step of the plan for this batch on the simulator, op by op next
         to the same step on one device, and return the first op whose assembled result
-        differs (None: none does). Changes no state; reads the model's current values."""
-        step = self.planner.plan("train", inputs, labels)
+        differs (None: none does). Changes no state; reads the model's current values.
+        ``accumulate_only``: gradient merge's step that only accumulates."""
+        step = self.planner.plan("train", inputs, labels, accumulate_only)
         facts = step.facts
         lowered = lower_program(step.program, facts.mesh, None, None)
         self.state.materialize()
@@ -142,13 +153,16 @@ class Engine:
         started more than one, and the strategy does not simulate them)."""
         return isinstance(self.runtime, DistributedRuntime)
 
-    def _ready(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
+    def _ready(self, mode: str, inputs: Any, labels: Any,
+               accumulate_only: bool = False) -> PlannedStep:
         """The planned step with its executor (made on first use)."""
         if self.closed and self.distributed:
             raise RuntimeError("this engine was closed: its process groups are gone; make a "
                                "new Engine to train again")
-        step = self.planner.plan(mode, inputs, labels)
+        step = self.planner.plan(mode, inputs, labels, accumulate_only)
         if self.launch.offline is not None:      # ``python -m autopar plan`` ran the script
+            if accumulate_only:                  # both training programs in the dumps
+                self.planner.plan(mode, inputs, labels)
             finish_offline_plan(self, step.mode, self.launch.offline, inputs, labels)
         if step.executor is None:
             if not self.distributed:
@@ -168,18 +182,27 @@ class Engine:
 
     # -- one step -----------------------------------------------------------------------
     def train_step(self, inputs: Any, labels: Any = None) -> float:
-        step = self._ready("train", inputs, labels)
-        seed = self.strategy.seed + self.global_step
+        """Train on one batch; returns its loss. With ``gradient_merge`` the batch's
+        gradients are accumulated, and every ``k_steps``-th batch also runs the optimizer
+        (and then the LR scheduler) on their sum (their mean, ``avg``). The cycle counts
+        batches across epochs and ``fit`` calls."""
+        k = self.strategy.gradient_merge.k_steps
+        applies = (self.batches_trained + 1) % k == 0
+        step = self._ready("train", inputs, labels, accumulate_only=not applies)
+        seed = self.strategy.seed + self.batches_trained
         if self.strategy.debug.locate_divergence and not step.checked:
             step.checked = True
-            found = self.locate_divergence(inputs, labels, seed=seed)
+            found = self.locate_divergence(inputs, labels, seed=seed,
+                                           accumulate_only=not applies)
             if found is not None:
                 raise DivergenceError(str(found))
         results = step.executor.run(self._feeds(inputs, labels, "train"), seed=seed)
-        self.global_step += 1
-        self.optimizer._opt_called = True   # tells LR schedulers the optimizer stepped
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        self.batches_trained += 1
+        if applies:
+            self.global_step += 1
+            self.optimizer._opt_called = True   # tells LR schedulers the optimizer stepped
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         return float(results[Slot("loss")])
 
     def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[float | None, Any]:
@@ -195,7 +218,8 @@ class Engine:
             valid_freq: int = 1, valid_steps: int | None = None,
             collate_fn: Callable | None = None, shuffle: bool = False,
             verbose: int = 2) -> dict[str, list[float]]:
-        """Train; ``history["loss"]`` holds one global-batch mean loss per step."""
+        """Train; ``history["loss"]`` holds one global-batch mean loss per batch (with
+        ``gradient_merge``, k batches make one optimizer step: ``train_step``)."""
         if self.optimizer is None:
             raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
         history = self.history

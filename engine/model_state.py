@@ -2,10 +2,12 @@
 trained values go back into the model and the optimizer.
 
 State names are the program's: ``<param FQN>``, ``<buffer FQN>``, ``<param FQN>/<key>`` for
-optimizer state (``exp_avg``, ``momentum_buffer``...). ``tensors`` holds whole tensors: the
-model's own parameters and buffers (so a serial or simulated run trains the model in place)
-and optimizer state once a program made it. On real processes the runtime holds the pieces;
-``write_back`` copies gathered values into the model's tensors and the optimizer.
+optimizer state (``exp_avg``, ``momentum_buffer``...), ``gradient_merge/<param FQN>`` for a
+gradient-merge accumulator (zeros at first; never in ``state_dict`` or the optimizer's
+state). ``tensors`` holds whole tensors: the model's own parameters and buffers (so a serial
+or simulated run trains the model in place) and optimizer state once a program made it. On
+real processes the runtime holds the pieces; ``write_back`` copies gathered values into the
+model's tensors and the optimizer.
 
 A model built on the meta device (``meta_init``) is materialized whole, in place, before a
 plan runs in this process (serial, simulated), and piece by piece on real processes
@@ -19,6 +21,7 @@ import torch
 
 from ..lower.executable import StatePiece
 from ..passes.lower_optimizer import initial_state
+from ..passes.merge_gradients import accumulated_param
 from ..runtime.state import cut_piece
 from .meta_init import InitFn, MetaInit, is_deferred_model
 
@@ -89,11 +92,17 @@ class ModelState:
                 + [n for n, _ in self.model.named_buffers()])
 
     def initial(self, name: str) -> torch.Tensor | None:
-        """The whole starting value of state ``name``: the model's tensor, or the optimizer
-        state torch would have (its own, when it has some; None for state the first update
-        creates, such as SGD's momentum buffer)."""
+        """The whole starting value of state ``name``: the model's tensor, zeros for a
+        gradient-merge accumulator, or the optimizer state torch would have (its own, when
+        it has some; None for state the first update creates, such as SGD's momentum
+        buffer)."""
         if name in self.tensors:
             return self.tensors[name]
+        merged = accumulated_param(name)
+        if merged is not None:
+            param = self.model.get_parameter(merged)
+            return torch.zeros(param.shape, dtype=param.dtype,
+                               device="cpu" if param.is_meta else param.device)
         param_name, _, key = name.rpartition("/")
         for group in self.optimizer.param_groups if self.optimizer is not None else ():
             for p in group["params"]:

@@ -69,26 +69,28 @@ class Planner:
         self.kept: dict[str, Any] = {}        # where earlier programs placed each parameter
         self.steps: dict[tuple, PlannedStep] = {}
 
-    def plan(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
-        """The planned step for this mode and batch signature (planned on first use)."""
-        key = (mode, _signature(inputs), _signature(labels))
+    def plan(self, mode: str, inputs: Any, labels: Any,
+             accumulate_only: bool = False) -> PlannedStep:
+        """The planned step for this mode and batch signature (planned on first use);
+        ``accumulate_only``: gradient merge's training step that only accumulates."""
+        key = (mode, _signature(inputs), _signature(labels), accumulate_only)
         if key not in self.steps:
             if mode == "train" and self.optimizer is None:
                 raise ValueError("training needs an optimizer: Engine(model, loss, optimizer=...)")
             with _gc_paused():
-                self.steps[key] = self._plan(mode, inputs, labels)
+                self.steps[key] = self._plan(mode, inputs, labels, accumulate_only)
         return self.steps[key]
 
     def last(self, mode: str) -> PlannedStep | None:
         found = [step for (m, *_), step in self.steps.items() if m == mode]
         return found[-1] if found else None
 
-    def _plan(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
+    def _plan(self, mode: str, inputs: Any, labels: Any, accumulate_only: bool) -> PlannedStep:
         captured = capture(self.model, self.loss, inputs, labels, mode=mode)
         ctx = PassContext(PlanInputs(
             self.strategy, mode, self.optimizer, self.param_names, self.layout.mesh,
             self.layout.pipeline, self._micro_batches(mode, inputs), self._annotations(),
-            dict(self.kept), rank=self.rank))
+            dict(self.kept), rank=self.rank, accumulate_only=accumulate_only))
         manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
         program = manager.run(captured.program, ctx)
         for op in program.states(StateKind.PARAM):
@@ -96,7 +98,7 @@ class Planner:
                 self.kept.setdefault(op.attrs[NAME], op.result.dist)
         facts = ctx.state
         dump = None if self.dump_dir is None else Dump(
-            self.dump_dir, "" if mode == "train" else f"{mode}_", len(manager.passes) + 1)
+            self.dump_dir, ctx.inputs.dump_prefix, len(manager.passes) + 1)
         lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
                                 self._processes(facts), dump, check=self.strategy.debug.verify)
         step = PlannedStep(captured.spec, program, facts, dict(manager.timings), lowered)

@@ -44,6 +44,7 @@ class StateKind(str, enum.Enum):
     BUFFER = "buffer"
     CONST = "const"
     OPTIM = "optim"
+    GRAD_MERGE = "grad_merge"   # a gradient-merge accumulator (passes/merge_gradients.py)
 
 
 @dataclass(frozen=True)

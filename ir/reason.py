@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["Option", "REPLICATE", "MeshDimChoice", "Reason", "REASON_KINDS"]
 
 REASON_KINDS = ("annotation", "plan", "data_parallel", "rule", "no_rule", "consumer", "default",
-                "reshard")
+                "reshard", "merge")
 
 
 @dataclass(frozen=True)

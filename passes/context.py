@@ -64,6 +64,9 @@ class PlanInputs:
     # one placement (eval and predict programs read the pieces training updates)
     kept_placements: Mapping[str, DistAttr] = field(default_factory=dict)
     rank: int = 0        # the process planning (for dump paths)
+    # gradient merge: this training program only accumulates its gradients (batches 1..k-1
+    # of a cycle: no update), where the other one also applies them (passes/merge_gradients)
+    accumulate_only: bool = False
 
     @classmethod
     def of(cls, strategy: Strategy, **fields: Any) -> "PlanInputs":
@@ -71,6 +74,14 @@ class PlanInputs:
         the rest)."""
         layout = ParallelLayout.of(strategy)
         return cls(strategy, mesh=layout.mesh, pipeline=layout.pipeline, **fields)
+
+    @property
+    def dump_prefix(self) -> str:
+        """How this program's dump files start: nothing for the training step (the one
+        that updates), ``accumulate_`` for gradient merge's other, ``<mode>_`` otherwise."""
+        if self.mode == "train":
+            return "accumulate_" if self.accumulate_only else ""
+        return f"{self.mode}_"
 
     def name_of(self, param: torch.Tensor) -> str:
         try:

@@ -28,6 +28,7 @@ from .fold_noops import fold_noops
 from .functionalize_writes import functionalize_writes
 from .join_gradients import join_gradients
 from .lower_optimizer import lower_optimizer
+from .merge_gradients import merge_gradients
 from .pin_annotations import pin_annotations
 from .prefetch_gathers import prefetch_gathers
 from .recompute import format_recompute, recompute
@@ -90,6 +91,7 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("regroup_flattens", regroup_flattens, needs=(F.MESH,)),
     _pass("completion", completion, needs=(F.MESH,), makes=(F.PLACED,),
           reports=(("explain", _explanations),)),
+    _pass("merge_gradients", merge_gradients, needs=(F.OPTIMIZER, F.PLACED)),
     _pass("reshard", reshard, needs=(F.PLACED,), makes=(F.RESHARDED,)),
     _pass("recompute", recompute, needs=(F.RESHARDED,),
           reports=(("recompute", format_recompute),)),
@@ -150,7 +152,7 @@ class PassManager:
         raise FactError(f"pass '{p.name}' needs {why}")
 
     def _prefix(self, ctx: PassContext) -> str:
-        return "" if ctx.mode == "train" else f"{ctx.mode}_"
+        return ctx.inputs.dump_prefix
 
     def _dump_timings(self, ctx: PassContext) -> None:
         if self.dump_dir is None:

@@ -32,7 +32,7 @@ from ..ir.reason import Reason
 from .context import PassContext
 from .pinning import AnnotationError, pin, trivial_dims_replicated
 
-__all__ = ["zero_sharding", "scheduled_axis"]
+__all__ = ["zero_sharding", "scheduled_axis", "from_backward"]
 
 
 def scheduled_axis(ctx: PassContext, stage: int) -> int | None:
@@ -103,7 +103,7 @@ def _shard_gradient(program: Program, update: Op, dist: DistAttr, axis: int) -> 
     where optimizer-role ops transform it before the update (clipping): otherwise the update
     asks for that placement itself."""
     grad = update.args[1]
-    raw = _from_backward(grad)
+    raw = from_backward(grad)
     if raw is grad:
         return
     readers = [op for op in program.users().get(raw, ()) if op.role is Role.OPTIMIZER]
@@ -118,7 +118,7 @@ def _shard_gradient(program: Program, update: Op, dist: DistAttr, axis: int) -> 
         op.map_inputs(lambda v, note=note: note.result if v is raw else v)
 
 
-def _from_backward(grad: Value) -> Value:
+def from_backward(grad: Value) -> Value:
     """The gradient as the backward made it: back through the optimizer-role ops that
     transform it before its update (clipping's ``g * coef``), by the operand shaped like it."""
     v = grad

@@ -158,9 +158,38 @@ def train_meta(layout: str, steps: str) -> dict:
     return {"loss": history["loss"], "state": engine.state_dict(), "largest_alloc": largest,
             "held": held, "still_meta": all(p.is_meta for p in model.parameters())}
 
+def train_merge(steps: str) -> dict:
+    """The SGD GPT on ``configs/dp_merge.yaml`` (k = 4), a batch of 2 at a time: each
+    batch's loss and how many elements this process all-reduced during it."""
+    import torch.distributed as dist
+
+    from autopar.models.gpt import lm_loss
+    model = parity_gpt("sgd")
+    optimizer, _ = gpt_optimizer("sgd", model)
+    strategy = ap.Strategy.from_yaml(ROOT / "configs" / "dp_merge.yaml")
+    engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy)
+    counted, all_reduce = [0], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        counted[0] += tensor.numel()
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    losses, reduced = [], []
+    data = lm_data(int(steps) * 4 * 2, 16, 64)
+    for i in range(0, len(data), 2):
+        x, y = (torch.stack(t) for t in zip(*data[i:i + 2]))
+        counted[0] = 0
+        losses.append(engine.train_step(x, y))
+        reduced.append(counted[0])
+    dist.all_reduce = all_reduce
+    return {"loss": losses, "reduced": reduced, "state": engine.state_dict()}
+
+
 SCENARIOS = {"train_gpt": train_gpt, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
-             "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta}
+             "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
+             "train_merge": train_merge}
 
 
 def main() -> None:
