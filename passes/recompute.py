@@ -38,7 +38,7 @@ import fnmatch
 from dataclasses import dataclass, field
 
 from ..ir import Op, OpKind, Program, Role, Value
-from ..ir.attrs import COMM_TEXT, Attr
+from ..ir.attrs import COMM_TEXT, STATE, Attr
 from ..ir.kernels.rng import RNG_STATE
 from ..ir.ops import draws_random, op_info
 from ..ir.printer import value_names
@@ -234,11 +234,11 @@ def format_recompute(program: Program, ctx: PassContext) -> str:
                 "again; kept collective results mean no extra communication in the backward")]
     for segment in segments(program, config.modules):
         mine = [op for op in clones if segment.holds(op.module)]
-        lines += [""] + _segment_lines(segment, mine, names, config.policy)
+        lines += [""] + _segment_lines(segment, mine, names)
     return "\n".join(lines) + "\n"
 
 
-def _segment_lines(segment: Segment, clones: list[Op], names: dict, policy: str) -> list[str]:
+def _segment_lines(segment: Segment, clones: list[Op], names: dict) -> list[str]:
     recomputed = {op.recomputes for op in clones}
     made = {v for op in clones for v in op.outputs}
     kept = {v for op in clones for v in op.inputs if v not in made and v.is_tensor}
@@ -268,7 +268,9 @@ def _segment_lines(segment: Segment, clones: list[Op], names: dict, policy: str)
 
 def _who(v: Value) -> str:
     op = v.producer
-    return f"{_short(op.target)} {op.module or '-'}" if op.kind is not OpKind.STATE else "param"
+    if op.kind is OpKind.STATE:
+        return op.attrs[STATE].value      # a parameter, buffer or constant
+    return f"{_short(op.target)} {op.module or '-'}"
 
 
 def _short(target: str) -> str:
