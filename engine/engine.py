@@ -38,7 +38,7 @@ from .planner import PlannedStep, Planner
 # enabled section is refused up front.
 PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel", "pipeline",
                               "expert_parallel", "sharding", "recompute",
-                              "gradient_merge"}
+                              "gradient_merge", "amp"}
 
 Metric = Callable[[Any, Any], float]
 

@@ -19,6 +19,7 @@ from ..annotations import param_annotation
 from ..ir import Program, StateKind
 from ..ir.attrs import NAME
 from ..ir.capture import StepSpec, capture
+from ..ir.mixed_precision import Precision
 from ..lower.executable import Lowered
 from ..lower.lowering import Dump, lower_program
 from ..lower.memory import MemoryEstimate, check_memory_limit, estimate_memory, format_estimates
@@ -86,7 +87,8 @@ class Planner:
         return found[-1] if found else None
 
     def _plan(self, mode: str, inputs: Any, labels: Any, accumulate_only: bool) -> PlannedStep:
-        captured = capture(self.model, self.loss, inputs, labels, mode=mode)
+        captured = capture(self.model, self.loss, inputs, labels, mode=mode,
+                           precision=self._precision())
         ctx = PassContext(PlanInputs(
             self.strategy, mode, self.optimizer, self.param_names, self.layout.mesh,
             self.layout.pipeline, self._micro_batches(mode, inputs), self._annotations(),
@@ -111,6 +113,13 @@ class Planner:
                                f"planning the {mode} step on {facts.mesh or 'one process'} "
                                f"({self._sharding_text()})")
         return step
+
+    def _precision(self) -> Precision | None:
+        """The strategy's ``amp`` section as capture computes it (None: off)."""
+        amp = self.strategy.amp
+        if not amp.is_enabled:
+            return None
+        return Precision(getattr(torch, amp.dtype), amp.level)
 
     def _sharding_text(self) -> str:
         sharding = self.strategy.sharding

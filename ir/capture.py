@@ -30,6 +30,7 @@ from .attrs import BATCH_PATH, NAME, SLOTS, STATE
 from .core import Op, OpKind, Program, Role, Slot, StateKind, Value
 from .experts import dense_experts
 from .lower_fx import Lowering, value_type
+from .mixed_precision import FULL_PRECISION, Precision, device_type
 
 
 class CaptureError(RuntimeError):
@@ -267,10 +268,12 @@ _DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 
 def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
-               mode: str) -> tuple[fx.GraphModule, StepSpec, list[str], list[str], dict]:
+               mode: str, precision: Precision | None = None
+               ) -> tuple[fx.GraphModule, StepSpec, list[str], list[str], dict]:
     """make_fx over one step; returns the graph, the step spec, the names of the
     parameters and buffers in placeholder order, and the layout of the flat results
-    (``[loss] + grads + outputs``: which parameters got a gradient, how many outputs)."""
+    (``[loss] + grads + outputs``: which parameters got a gradient, how many outputs).
+    ``precision``: the forward and the loss in mixed precision (``ir/mixed_precision.py``)."""
     params, buffers = _named_state(model)
     param_names, buffer_names = list(params), list(buffers)
     trainable = [n for n in param_names if params[n].requires_grad] if mode == "train" else []
@@ -279,15 +282,21 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
     notes = _Annotator(model)
     layout: dict[str, Any] = {"grads": [], "outputs": 0, "dense_experts": []}
 
+    amp = precision or FULL_PRECISION
+    autocast_device = device_type(batch_leaves + list(params.values()))
+
     def step(param_values, buffer_values, leaves):
-        x, y = rebuild_batch(leaves)
-        state = {**dict(zip(param_names, param_values)), **dict(zip(buffer_names, buffer_values))}
+        x, y = rebuild_batch(amp.inputs(leaves))
+        master = dict(zip(param_names, param_values))
+        read = amp.params(master, lambda n: notes.in_phase("fwd", module=n.rpartition(".")[0]))
+        state = {**read, **dict(zip(buffer_names, buffer_values))}
         args, kwargs = call_model(model, x, y, loss_fn)
-        with notes.in_phase("fwd"):
+        with notes.in_phase("fwd"), amp.autocast(autocast_device):
             out = torch.func.functional_call(model, state, args, kwargs, strict=False)
+        out = amp.outputs(out)
         results: list[torch.Tensor] = []
         if mode != "predict":
-            with notes.in_phase("loss", module="<loss>"):
+            with notes.in_phase("loss", module="<loss>"), amp.autocast(autocast_device):
                 loss = loss_fn(out, y) if loss_fn is not None else loss_from_output(out)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise CaptureError(f"the loss must be a scalar tensor, got {_describe(loss)}")
@@ -295,7 +304,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
         if mode == "train":
             with notes.in_phase("bwd"):
                 _link_backward_to_forward(loss.grad_fn)
-                wrt = [state[n] for n in trainable]
+                wrt = [master[n] for n in trainable]
                 grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
             # unused parameters get no gradient (torch.optim then skips them)
             layout["grads"] = [n for n, g in zip(trainable, grads) if g is not None]
@@ -426,15 +435,17 @@ class Captured:
 
 
 def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
-            mode: str = "train") -> Captured:
+            mode: str = "train", precision: Precision | None = None) -> Captured:
     """Trace one step of ``model`` on a sample batch into a Program.
 
     ``mode`` is ``train`` (loss and gradients), ``eval`` (loss and outputs) or ``predict``
-    (outputs). Shapes are specialised to the sample batch.
+    (outputs). Shapes are specialised to the sample batch. ``precision``: mixed precision
+    (O1 autocast, O2 half parameters), see ``ir/mixed_precision.py``.
     """
     if mode not in ("train", "eval", "predict"):
         raise ValueError(f"unknown capture mode {mode!r}")
-    gm, spec, param_names, buffer_names, layout = trace_step(model, loss_fn, inputs, labels, mode)
+    gm, spec, param_names, buffer_names, layout = trace_step(model, loss_fn, inputs, labels, mode,
+                                                             precision)
     notes = _capture_notes(layout)
     for note in notes:
         warnings.warn(note, CaptureNote, stacklevel=2)

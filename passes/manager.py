@@ -26,6 +26,7 @@ from .expert_parallel import expert_parallel
 from .explain import format_explanations
 from .fold_noops import fold_noops
 from .functionalize_writes import functionalize_writes
+from .gradient_reduce_dtype import format_casts, gradient_reduce_dtype
 from .join_gradients import join_gradients
 from .lower_optimizer import lower_optimizer
 from .merge_gradients import merge_gradients
@@ -91,6 +92,8 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("regroup_flattens", regroup_flattens, needs=(F.MESH,)),
     _pass("completion", completion, needs=(F.MESH,), makes=(F.PLACED,),
           reports=(("explain", _explanations),)),
+    _pass("gradient_reduce_dtype", gradient_reduce_dtype, needs=(F.PLACED,),
+          reports=(("amp", format_casts),)),
     _pass("merge_gradients", merge_gradients, needs=(F.OPTIMIZER, F.PLACED)),
     _pass("reshard", reshard, needs=(F.PLACED,), makes=(F.RESHARDED,)),
     _pass("recompute", recompute, needs=(F.RESHARDED,),

@@ -186,10 +186,42 @@ def train_merge(steps: str) -> dict:
     return {"loss": losses, "reduced": reduced, "state": engine.state_dict()}
 
 
+def ddp_autocast(steps: str, batch: str) -> dict:
+    """torch's own data parallelism under O1, the reference ``tests/test_amp.py`` measures
+    autopar's dp2 O1 against: the AdamW GPT of ``parity_gpt`` in ``DistributedDataParallel``
+    (gloo), each rank on its contiguous half of every global batch (as the engine splits
+    it), forward and loss under ``torch.autocast("cpu", torch.bfloat16)``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autopar.models.gpt import lm_loss
+    torch.set_num_threads(1)
+    dist = torch.distributed
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = parity_gpt("adamw")
+    optimizer, scheduler = gpt_optimizer("adamw", model)
+    ddp = DistributedDataParallel(model)
+    data, rows = lm_data(int(steps) * int(batch), 16, 64), int(batch) // world
+    losses = []
+    for step in range(int(steps)):
+        mine = data[step * int(batch) + rank * rows:step * int(batch) + (rank + 1) * rows]
+        x, y = (torch.stack(t) for t in zip(*mine))
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return {"loss": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
 SCENARIOS = {"train_gpt": train_gpt, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
-             "train_merge": train_merge}
+             "train_merge": train_merge, "ddp_autocast": ddp_autocast}
 
 
 def main() -> None:
