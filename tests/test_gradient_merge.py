@@ -4,9 +4,10 @@ the final parameters, ``state_dict`` and torch's optimizer state equal eager's),
 pp2 1F1B and dp2 with ZeRO stage 2 on the simulator, with SGD + momentum and with AdamW
 under a warmup LR scheduler that steps once per optimizer step. The accumulate program has
 no gradient communication and no update; the apply program all-reduces the merged
-gradients once. Dropout draws per batch (seed + batch index), as an eager accumulation loop
-does; a cycle runs on across epochs. On 2 real gloo ranks the gradient all-reduce runs in
-every k-th batch only (counted in each process)."""
+gradients once. With clipping it composes with dp2 x tp2 (sequence parallel), ZeRO-3 and
+recompute, and with a pp2 x dp2 pipeline. Dropout draws per batch (seed + batch index), as
+an eager accumulation loop does; a cycle runs on across epochs. On 2 real gloo ranks the
+gradient all-reduce runs in every k-th batch only (counted in each process)."""
 from __future__ import annotations
 
 import pytest
@@ -67,6 +68,38 @@ def _engine(optim: str, strategy: ap.Strategy, dropout: float = 0.0):
     opt, scheduler = gpt_optimizer(optim, model, warmup=3)
     engine = ap.Engine(model, lm_loss, opt, strategy=strategy, lr_scheduler=scheduler)
     return engine, model, ref
+
+
+COMBINED = {
+    # Megatron pairs with sequence parallelism, ZeRO-3 over dp, recomputed blocks
+    "dp2_tp2_zero3_recompute": (
+        "mesh: {shape: [2, 2], dim_names: [dp, tp]}\ndata_parallel: {axis: dp}\n"
+        "tensor_parallel: {axis: tp, sequence_parallel: true, plan: {"
+        '"blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise, '
+        '"blocks.*.fc1": colwise, "blocks.*.fc2": rowwise}}\n'
+        "sharding: {stage: 3, axis: dp}\nrecompute: {enable: true, modules: [blocks.*]}\n", B),
+    "pp2_dp2": ("mesh: {shape: [2, 2], dim_names: [pp, dp]}\ndata_parallel: {axis: dp}\n"
+                "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2}\n", 2 * B),
+}
+
+
+@pytest.mark.parametrize("combined", list(COMBINED))
+def test_merge_composes_with_other_strategies_and_clipping(combined):
+    """Clipping reads the merged gradient (its norm over all k batches, as eager's batch of
+    k*B clips), under ZeRO-3 + tp + sequence parallelism + recompute, and a pp2 x dp2
+    pipeline (a batch of 4: 2 micro-batches of 2 rows over dp2)."""
+    text, batch = COMBINED[combined]
+    strategy = ap.Strategy.from_yaml_str(
+        text + f"gradient_merge: {{k_steps: {K}}}\ngrad_clip: {{max_norm: 0.5}}\n"
+        "debug: {simulate: true}\n")
+    engine, model, ref = _engine("adamw", strategy)
+    data = lm_data(STEPS * K * batch, SEQ, VOCAB)
+    ref_opt, ref_sched = gpt_optimizer("adamw", ref, warmup=3)
+    want = eager_train(ref, lm_loss, ref_opt, data, K * batch, STEPS, max_norm=0.5,
+                       scheduler=ref_sched)
+    got = engine.fit(data, batch_size=batch, verbose=0)["loss"]
+    assert_same_losses(torch.tensor(got).view(STEPS, K).mean(dim=1).tolist(), want)
+    assert_same_params(model, ref)
 
 
 def _eager_merged(model, optimizer, data, batches: int, seed: int = 0,
