@@ -23,6 +23,7 @@ from ..lower.lowering import lower_program
 from ..lower.memory import MemoryEstimate
 from ..passes.explain import explain_value, summarize
 from ..passes.parallel_layout import ParallelLayout
+from ..passes.scale_loss import FOUND_INF, SCALE_USED, scaler_state
 from ..pipeline.timeline import chrome_trace
 from ..runtime.divergence import Divergence, locate_divergence
 from ..runtime.runtimes import DistributedRuntime, LocalRuntime
@@ -77,7 +78,7 @@ class Engine:
             raise ValueError(f"gradient_merge: {{k_steps: {merge.k_steps}}} accumulates "
                              "gradients for an optimizer step, but Engine(...) has no "
                              "optimizer: pass optimizer=..., or drop gradient_merge")
-        self.state = ModelState(model, optimizer, init_fn)
+        self.state = ModelState(model, optimizer, init_fn, scaler_state(self.strategy.amp))
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
             self.runtime = DistributedRuntime(
@@ -197,6 +198,7 @@ class Engine:
             if found is not None:
                 raise DivergenceError(str(found))
         results = step.executor.run(self._feeds(inputs, labels, "train"), seed=seed)
+        self._record_loss_scaling(results)
         self.batches_trained += 1
         if applies:
             self.global_step += 1
@@ -204,6 +206,14 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         return float(results[Slot("loss")])
+
+    def _record_loss_scaling(self, results: dict[Slot, Any]) -> None:
+        """Loss scaling: the scale this step's gradients were scaled by, and whether an inf
+        or nan skipped its update (the LR scheduler steps anyway, as eager code steps it
+        after a GradScaler step that skipped ``optimizer.step()``)."""
+        if FOUND_INF in results:
+            self.history.setdefault("loss_scale", []).append(float(results[SCALE_USED]))
+            self.history.setdefault("skipped", []).append(bool(results[FOUND_INF]))
 
     def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[float | None, Any]:
         step = self._ready(mode, inputs, labels)

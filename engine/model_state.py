@@ -30,10 +30,13 @@ __all__ = ["ModelState"]
 
 class ModelState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 init_fn: InitFn | None = None):
+                 init_fn: InitFn | None = None,
+                 extra: Mapping[str, torch.Tensor] | None = None):
+        """``extra``: state the plan keeps beside the model's and the optimizer's, with its
+        starting value (the loss scaler's ``amp/loss_scale``, ``passes/scale_loss.py``)."""
         self.model, self.optimizer = model, optimizer
         self.param_names = {id(p): n for n, p in model.named_parameters()}
-        self.tensors: dict[str, Any] = {}
+        self.tensors: dict[str, Any] = dict(extra or {})
         self._read_model()
         self.deferred = MetaInit(model, init_fn) if is_deferred_model(model) else None
         if init_fn is not None and self.deferred is None:

@@ -45,21 +45,24 @@ class StateKind(str, enum.Enum):
     CONST = "const"
     OPTIM = "optim"
     GRAD_MERGE = "grad_merge"   # a gradient-merge accumulator (passes/merge_gradients.py)
+    SCALER = "scaler"           # loss scaling's scale and growth tracker (passes/scale_loss.py)
 
 
 @dataclass(frozen=True)
 class Slot:
     """What one program result means: the loss, a parameter's gradient, a model output,
-    or the new value of a piece of state (written back by the runtime)."""
+    the new value of a piece of state (written back by the runtime), or what loss scaling
+    reports for the step (``amp[found_inf]``, ``amp[loss_scale]``)."""
 
-    kind: str  # "loss" | "grad" | "output" | "update"; a pipeline job's: "carry" | "accumulate"
+    # "loss" | "grad" | "output" | "update" | "amp"; a pipeline job's: "carry" | "accumulate"
+    kind: str
     name: str = ""
 
     def __str__(self) -> str:
         return f"{self.kind}[{self.name}]" if self.name else self.kind
 
 
-SLOT_KINDS = ("loss", "grad", "output", "update", "carry", "accumulate")
+SLOT_KINDS = ("loss", "grad", "output", "update", "amp", "carry", "accumulate")
 
 
 class AttrError(TypeError):

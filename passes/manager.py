@@ -36,11 +36,13 @@ from .recompute import format_recompute, recompute
 from .regather_for_backward import regather_for_backward
 from .regroup_flattens import regroup_flattens
 from .reshard import reshard
+from .scale_loss import scale_loss
 from .scatter_gradients_early import scatter_gradients_early
 from .schedule_pipeline import format_schedule, schedule_pipeline
 from .sequence_parallel import sequence_parallel
 from .settle_mesh import settle_mesh
 from .shard_batch import shard_batch
+from .skip_nonfinite_steps import skip_nonfinite_steps
 from .split_stages import split_stages
 from .sync_batch_norm import sync_batch_norm
 from .tensor_parallel_plan import tensor_parallel_plan
@@ -77,8 +79,10 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("fold_noops", fold_noops),
     _pass("functionalize_writes", functionalize_writes),
     _pass("dead_code", dead_code),
+    _pass("scale_loss", scale_loss),
     _pass("clip_grad", clip_grad),
     _pass("lower_optimizer", lower_optimizer, makes=(F.OPTIMIZER,)),
+    _pass("skip_nonfinite_steps", skip_nonfinite_steps, needs=(F.OPTIMIZER,)),
     _pass("vocab_parallel_loss", vocab_parallel_loss),
     _pass("sync_batch_norm", sync_batch_norm),
     _pass("settle_mesh", settle_mesh, makes=(F.MESH,)),

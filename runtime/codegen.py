@@ -94,17 +94,18 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
 
 
 def _batch_run(ops: list[Op], start: int) -> int:
-    """End index of the run of ops from ``start`` that one batched kernel call can take."""
+    """End index of the run of ops from ``start`` that one batched kernel call can take
+    (keyword arguments are shared: the same values in every op of the run)."""
     first = ops[start]
-    if first.kind is not OpKind.CALL or first.kwargs or op_info(first.target).batched is None:
+    if first.kind is not OpKind.CALL or op_info(first.target).batched is None:
         return start + 1
     shared = op_info(first.target).batched.shared
     produced: set[Value] = set()
     end = start
     while end < len(ops):
         op = ops[end]
-        if (op.kind is not OpKind.CALL or op.target != first.target or op.kwargs
-                or len(op.args) != len(first.args)
+        if (op.kind is not OpKind.CALL or op.target != first.target
+                or len(op.args) != len(first.args) or not _same_kwargs(op, first)
                 or any(op.args[i] is not first.args[i] for i in shared)
                 or any(v in produced for v in op.inputs)):
             break
@@ -113,12 +114,18 @@ def _batch_run(ops: list[Op], start: int) -> int:
     return end
 
 
+def _same_kwargs(op: Op, first: Op) -> bool:
+    return op.kwargs.keys() == first.kwargs.keys() and all(
+        op.kwargs[k] is first.kwargs[k] for k in first.kwargs)
+
+
 def _emit_batched(run: list[Op], em: _Emitter, names: dict[Value, str]) -> str:
     shared = op_info(run[0].target).batched.shared
     args = []
     for i, a in enumerate(run[0].args):
         column = [op.args[i] for op in run]
         args.append(em.literal(a, names) if i in shared else em.literal(column, names))
+    args += [f"{k}={em.literal(v, names)}" for k, v in run[0].kwargs.items()]
     lhs = "".join("(" + "".join(names[v] + ", " for v in op.outputs) + "), " for op in run)
     return f"{lhs}= {em.kernel(run[0].target, batched=True)}({', '.join(args)})"
 

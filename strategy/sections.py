@@ -248,7 +248,9 @@ class AmpConfig(Section):
     the half dtype: reduce, then cast). float16 needs loss scaling: ``loss_scale``
     "dynamic" (``torch.amp.GradScaler``'s rules with ``init_scale``, ``growth_factor``,
     ``backoff_factor``, ``growth_interval``) or a fixed number; a step whose gradients hold
-    an inf or nan on any rank is skipped.
+    an inf or nan on any rank is skipped (``passes/scale_loss.py``). ``loss_scale`` works
+    without ``enable`` too: the step keeps the model's dtypes and only the loss is scaled,
+    as GradScaler scales an fp32 model's.
     """
 
     SECTION: ClassVar[str] = "amp"

@@ -158,6 +158,7 @@ def train_meta(layout: str, steps: str) -> dict:
     return {"loss": history["loss"], "state": engine.state_dict(), "largest_alloc": largest,
             "held": held, "still_meta": all(p.is_meta for p in model.parameters())}
 
+
 def train_merge(steps: str) -> dict:
     """The SGD GPT on ``configs/dp_merge.yaml`` (k = 4), a batch of 2 at a time: each
     batch's loss and how many elements this process all-reduced during it."""
@@ -218,7 +219,40 @@ def ddp_autocast(steps: str, batch: str) -> dict:
     return {"loss": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-SCENARIOS = {"train_gpt": train_gpt, "train_and_close": train_and_close,
+def train_scaled(steps: str, batch: str, inf_step: str) -> dict:
+    """Dynamic loss scaling on dp2 (``tests/test_loss_scaling.py``): its MLP and Adam, batch
+    ``inf_step`` with an inf in its first sample's input (rank 0's half); each step's scale
+    and skip, whether the skipped step left this rank's state as it was, the final state."""
+    from parity import regression_data
+
+    from autopar.models import MLP
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = MLP(16, 31, 5, depth=2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    strategy = ap.Strategy.from_yaml_str(
+        "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
+        "amp: {loss_scale: dynamic, init_scale: 4.0, growth_interval: 2}\n")
+    engine = ap.Engine(model, lambda out, y: torch.nn.functional.mse_loss(out, y), optimizer,
+                       strategy=strategy)
+    n, k = int(batch), int(inf_step)
+    data = regression_data(int(steps) * n, 16, 5)
+    x, y = data[k * n]
+    data[k * n] = (torch.cat([x[:1] * float("inf"), x[1:]]), y)
+    after = []
+    for i in range(0, len(data), n):
+        engine.train_step(*(torch.stack(t) for t in zip(*data[i:i + n])))
+        state = {name: t.clone() for name, t in engine.state_dict().items()}
+        state.update({f"{i}/{key}": v.clone() for i, s in optimizer.state_dict()["state"].items()
+                      for key, v in s.items()})
+        after.append(state)
+    unchanged = all(torch.equal(after[k][name], v) for name, v in after[k - 1].items())
+    return {"loss_scale": engine.history["loss_scale"], "skipped": engine.history["skipped"],
+            "unchanged": unchanged, "state": after[-1]}
+
+
+SCENARIOS = {"train_scaled": train_scaled,
+             "train_gpt": train_gpt, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
              "train_merge": train_merge, "ddp_autocast": ddp_autocast}

@@ -222,9 +222,11 @@ class Stack:
         spec = replace(stack(op), partial_ops=stack(op).partial_ops | norms)
         # Norms are scalars: their reductions cost latency, not bytes, and one reduction of
         # the stacked norms replaces one per partial input, so carrying the partial is not
-        # priced by the (bigger) stack it leaves owing.
+        # priced by the (bigger) stack it leaves owing. So for any stack of scalars (loss
+        # scaling's per-gradient inf/nan probes: a replicated one joins as a term, free)
+        scalars = all(v.type.shape == () for v in tensor_inputs(op))
         return infer_forward(spec, mesh, [v.type for v in tensor_inputs(op)], output_types(op),
-                             in_dists, describe(op), available, owe=not norms)
+                             in_dists, describe(op), available, owe=not (norms or scalars))
 
     def reverse(self, op, out_hints, mesh):
         return infer_reverse(stack(op), mesh, [v.type for v in tensor_inputs(op)],

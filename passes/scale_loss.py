@@ -1,0 +1,159 @@
+"""Loss scaling (``amp.loss_scale``), its first half: the backward is seeded with the loss
+scale, so every gradient comes out scaled (small float16 gradients do not flush to zero),
+and each gradient is unscaled before clipping and the optimizer, with a flag saying whether
+any of them held an inf or nan.
+
+The math is ``torch.amp.GradScaler``'s, so an fp32 run equals eager GradScaler to the bit:
+
+* ``scaler.scale(loss).backward()`` seeds the loss's own backward with the gradient of
+  ``loss * scale``: the scale itself. Here the backward's seed (the ``ones_like`` of the loss
+  that ``torch.autograd.grad`` makes) is replaced by the scale state, cast to the loss dtype
+  as autograd would. The loss result stays the true loss.
+* ``scaler.unscale_`` multiplies each gradient by ``1 / scale`` computed in double and
+  rounded to float, after checking the scaled values for inf/nan
+  (``torch._amp_foreach_non_finite_check_and_unscale_``).
+
+The check and the unscale are traced from a small torch function as ATen ops, so later
+passes place them like any other: each gradient sums ``|g| * 0`` (nan where an element
+is inf or nan), the sums are stacked and summed into one scalar. A gradient sharded over a
+mesh axis (tensor parallel, ZeRO-2) sums its piece, which makes that scalar Partial: one
+all-reduce of it settles every rank's flag (a stack of scalars carries its partial terms
+through, ``spmd/rules/views.py``). Under plain data parallelism the gradients are
+all-reduced anyway (an inf or nan on any rank reaches every rank's sum), so the flag needs
+none.
+
+The program reports ``amp[found_inf]`` (0. or 1., float32 like GradScaler's) and
+``amp[loss_scale]`` (the scale this step's gradients were scaled by);
+``skip_nonfinite_steps`` reads them once the optimizer is lowered. The unscale reads the
+gradient values the backward makes, so a pass that merges gradients over several batches
+before they are read composes with it (GradScaler too unscales the accumulated gradients).
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..ir import Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value
+from ..ir.attrs import NAME, STATE, Attr
+from ..ir.lower_fx import lower_graph
+from ..strategy.sections import AmpConfig
+from .context import PassContext
+
+__all__ = ["LOSS_SCALING", "LOSS_SCALE", "GROWTH_TRACKER", "FOUND_INF", "SCALE_USED",
+           "scaler_state", "scaler_state_value", "scales_loss", "scale_loss", "ScaleLossError"]
+
+LOSS_SCALING: Attr[str] = Attr("loss_scaling", str, "what an op does for loss scaling "
+                               "(passes/scale_loss.py, passes/skip_nonfinite_steps.py)",
+                               shown=True)
+# the scaler's state, as GradScaler keeps it (``_scale``, ``_growth_tracker``)
+LOSS_SCALE, GROWTH_TRACKER = "amp/loss_scale", "amp/growth_tracker"
+FOUND_INF, SCALE_USED = Slot("amp", "found_inf"), Slot("amp", "loss_scale")
+
+_SEED = "aten.ones_like.default"
+
+
+class ScaleLossError(RuntimeError):
+    """The captured step is not one loss scaling can rewrite."""
+
+
+def scales_loss(amp: AmpConfig, mode: str) -> bool:
+    """Loss scaling applies to training steps, with the casts of ``amp.enable`` or without
+    them (an fp32 step scaled as GradScaler scales one)."""
+    return amp.loss_scale is not None and mode == "train"
+
+
+def scaler_state(amp: AmpConfig) -> dict[str, torch.Tensor]:
+    """The scaler's starting state, as ``GradScaler`` makes it (an fp32 scale, an int32
+    count of clean steps since the last change); {} without loss scaling."""
+    if amp.loss_scale is None:
+        return {}
+    start = amp.init_scale if amp.loss_scale == "dynamic" else amp.loss_scale
+    state = {LOSS_SCALE: torch.full((), start, dtype=torch.float32)}
+    if amp.loss_scale == "dynamic":
+        state[GROWTH_TRACKER] = torch.full((), 0, dtype=torch.int32)
+    return state
+
+
+def scale_loss(program: Program, ctx: PassContext) -> Program:
+    grads = [(slot, v) for slot, v in program.results() if slot.kind == "grad"]
+    if not scales_loss(ctx.strategy.amp, ctx.mode) or not grads:
+        return program
+    if ctx.inputs.pipeline is not None:
+        raise ScaleLossError(
+            f"amp loss_scale {ctx.strategy.amp.loss_scale!r} with a pipeline "
+            f"({ctx.strategy.describe_mesh()}) is not supported yet: the scaler's state "
+            "would live on one stage while every stage's update reads its found_inf")
+    scale = scaler_state_value(program, LOSS_SCALE, torch.float32)
+    _seed_with(program, scale)
+    unscaled, found_inf = _unscale(program, [v for _, v in grads], scale)
+    new = dict(zip([s for s, _ in grads], unscaled))
+    results = [(slot, new.get(slot, v)) for slot, v in program.results()]
+    program.set_results(results + [(FOUND_INF, found_inf), (SCALE_USED, scale)])
+    return program
+
+
+def scaler_state_value(program: Program, name: str, dtype: torch.dtype) -> Value:
+    """A 0-dim scaler state, declared with the other states at the top of the program."""
+    op = Op(OpKind.STATE, "state", outputs=[Value(TensorType((), dtype))],
+            attrs={STATE: StateKind.SCALER, NAME: name})
+    at = sum(1 for o in program.ops if o.kind in (OpKind.INPUT, OpKind.STATE))
+    program.ops.insert(at, op)
+    op.outputs[0].producer = op
+    return op.result
+
+
+def _seed_with(program: Program, scale: Value) -> None:
+    """The backward's seed, ``ones_like(loss)``, becomes the scale (in the loss dtype)."""
+    loss = program.result("loss")
+    seeds = [op for op in program.ops if op.kind is OpKind.CALL and op.target == _SEED
+             and op.role is Role.BACKWARD and op.args[:1] == (loss,)]
+    if len(seeds) != 1:
+        where = f"{loss.producer.target} ({loss.producer.module or 'top level'})"
+        raise ScaleLossError(
+            f"loss scaling: the loss {loss.type} made by {where} has {len(seeds)} backward "
+            f"seeds ({_SEED} of the loss, role bwd), not one; cannot seed the backward "
+            "with the loss scale")
+    seed = seeds[0]
+    value = scale
+    if loss.type.dtype != torch.float32:   # autograd casts the gradient of loss*scale back
+        cast = Op(OpKind.CALL, "aten._to_copy.default", (scale,), {"dtype": loss.type.dtype},
+                  [Value(seed.result.type)], Role.BACKWARD, seed.module, seed.forward_op,
+                  {LOSS_SCALING: "seed: the loss scale"})
+        value = program.insert_after(seed, cast).result
+    for op in program.ops:
+        if op is not seed and seed.result in op.inputs:
+            op.map_inputs(lambda v: value if v is seed.result else v)
+    program.ops.remove(seed)
+    if value is scale:
+        _mark_readers(program, scale, "seeded with the loss scale")
+
+
+def _mark_readers(program: Program, value: Value, text: str) -> None:
+    for op in program.ops:
+        if op.kind is OpKind.CALL and value in op.inputs:
+            op.attrs.setdefault(LOSS_SCALING, text)
+
+
+def _check_and_unscale(grads: list[torch.Tensor], scale: torch.Tensor
+                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    # GradScaler._unscale_grads_: the reciprocal in double, rounded to float
+    inv_scale = scale.double().reciprocal().float()
+    # |g| * 0 is nan exactly where g is inf or nan (0 elsewhere): a sum of them is nan iff
+    # any element is, and cannot overflow (isfinite traces as five ops a gradient). abs is
+    # not linear, so a Partial gradient is summed before it is checked: a sum over ranks
+    # that overflows is caught, as eager's one-device gradient would be.
+    probe = torch.stack([(g.abs() * 0).sum(dtype=torch.float32) for g in grads]).sum()
+    found_inf = torch.isnan(probe).float()
+    return [g * inv_scale for g in grads], found_inf
+
+
+def _unscale(program: Program, grads: list[Value], scale: Value) -> tuple[list[Value], Value]:
+    examples = [torch.empty(v.type.shape, dtype=v.type.dtype) for v in grads]
+    gm = make_fx(_check_and_unscale, tracing_mode="fake")(
+        examples, torch.empty((), dtype=torch.float32))
+    first = len(program.ops)
+    *unscaled, found_inf = lower_graph(program, gm, [*grads, scale], Role.OPTIMIZER)
+    for op in program.ops[first - 1:]:
+        if op.kind is OpKind.CALL:
+            op.attrs[LOSS_SCALING] = "unscale and check for inf/nan"
+    return list(unscaled), found_inf

@@ -1,0 +1,240 @@
+"""Loss scaling (``amp.loss_scale``: ``passes/scale_loss.py``, ``passes/skip_nonfinite_steps.py``)
+against eager ``torch.amp.GradScaler`` on the same data.
+
+On an fp32 model the scaled step is GradScaler's to the bit: the backward seeded with the
+scale, the gradients unscaled by the float of the double reciprocal, a step with an inf or
+nan gradient skipped (parameters and optimizer state, Adam's step count too, unchanged) and
+the scale backed off, ``growth_interval`` clean steps growing it. Serial runs equal eager
+exactly; data parallel runs (simulator, two real gloo ranks) sum gradients in another order,
+so their losses and parameters are within the parity tolerance while the scale history and
+the skipped steps are eager's exactly. The found-inf flag costs at most one scalar
+all-reduce: none under plain data parallelism (the gradient all-reduce already hands every
+rank the same sums), one under dp x tp and ZeRO-2 (sharded gradients check their pieces).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import autopar as ap
+from autopar.ir import OpKind
+from autopar.ir.attrs import COMM_TEXT
+from autopar.models import MLP
+from autopar.models.gpt import lm_loss
+from autopar.passes.scale_loss import LOSS_SCALING, ScaleLossError
+
+from .multiproc import run_ranks
+from .parity import (
+    ATOL,
+    RTOL,
+    lm_data,
+    one_thread,  # noqa: F401  (a fixture: pytestmark uses it)
+    parity_gpt,
+    regression_data,
+    twin,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BATCH, STEPS, INF_STEP = 6, 8, 3
+TP_PLAN = ('{"blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise, '
+           '"blocks.*.fc1": colwise, "blocks.*.fc2": rowwise}')
+
+
+def _mse(out, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _mlp() -> MLP:
+    torch.manual_seed(0)
+    return MLP(16, 31, 5, depth=2)
+
+
+def _data(inf_step: int | None = INF_STEP, targets: float = 1.0) -> list:
+    """Regression batches (targets times ``targets``); batch ``inf_step`` holds an inf in
+    its first sample's input (on data-parallel rank 0 only), so its loss and every
+    gradient are inf or nan."""
+    data = [(x, y * targets) for x, y in regression_data(STEPS * BATCH, 16, 5)]
+    if inf_step is not None:
+        x, y = data[inf_step * BATCH]
+        data[inf_step * BATCH] = (torch.cat([x[:1] * math.inf, x[1:]]), y)
+    return data
+
+
+def _strategy(scaling: str, mesh: str = "") -> ap.Strategy:
+    return ap.Strategy.from_yaml_str(f"amp: {{{scaling}}}\n{mesh}")
+
+
+DP2 = "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\ndebug: {simulate: true}\n"
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    params = {n: t.clone() for n, t in model.state_dict().items()}
+    state = {f"{i}/{k}": v.clone() for i, s in optimizer.state_dict()["state"].items()
+             for k, v in s.items()}
+    return {**params, **state}
+
+
+def _eager(model, optimizer, data, scaler: torch.amp.GradScaler, fixed: float | None = None
+           ) -> dict:
+    """The GradScaler loop: each step's loss, scale, whether it skipped, and a snapshot of
+    the parameters and optimizer state after it. ``fixed``: the scale kept constant."""
+    out = {"loss": [], "loss_scale": [], "skipped": [], "after": []}
+    for x, y in DataLoader(data, batch_size=BATCH):
+        optimizer.zero_grad()
+        loss = _mse(model(x), y)
+        out["loss_scale"].append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        found = scaler._found_inf_per_device(optimizer).values()
+        out["skipped"].append(bool(sum(v.item() for v in found)))
+        scaler.update(fixed)
+        out["loss"].append(loss.item())
+        out["after"].append(_snapshot(model, optimizer))
+    return out
+
+
+def _ours(model, optimizer, data, strategy: ap.Strategy) -> dict:
+    engine = ap.Engine(model, _mse, optimizer, strategy=strategy)
+    losses, after = [], []
+    for x, y in DataLoader(data, batch_size=BATCH):
+        losses.append(engine.train_step(x, y))
+        engine.sync_model()
+        after.append(_snapshot(model, optimizer))
+    return {**engine.history, "loss": losses, "after": after}
+
+
+def _run_both(scaling: str, scaler: dict, mesh: str = "", fixed: float | None = None,
+              data: list | None = None, optim=torch.optim.AdamW):
+    data = _data() if data is None else data
+    model = _mlp()
+    ref = twin(model)
+    got = _ours(model, optim(model.parameters(), lr=1e-2), data, _strategy(scaling, mesh))
+    want = _eager(ref, optim(ref.parameters(), lr=1e-2), data,
+                  torch.amp.GradScaler("cpu", **scaler), fixed)
+    return got, want
+
+
+def _assert_history(got: dict, want: dict, exact: bool) -> None:
+    assert got["skipped"] == want["skipped"]
+    assert got["loss_scale"] == want["loss_scale"]
+    if exact:
+        assert [str(v) for v in got["loss"]] == [str(v) for v in want["loss"]]
+    else:
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(want["loss"]),
+                                   rtol=RTOL, atol=ATOL, equal_nan=True)
+    for step, (ours, eager) in enumerate(zip(got["after"], want["after"], strict=True)):
+        # torch makes Adam's state at its first step; the plan holds it, zero, from the start
+        assert eager.keys() <= ours.keys()
+        assert all(not ours[name].any() for name in ours.keys() - eager.keys())
+        for name, value in eager.items():
+            if exact:
+                assert torch.equal(ours[name], value), f"step {step} {name}"
+            else:
+                torch.testing.assert_close(ours[name], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"step {step} {name}: {m}")
+
+
+def _assert_skipped_unchanged(got: dict, step: int) -> None:
+    """The skipped step changed no parameter and no optimizer state (Adam's step too)."""
+    before, after = got["after"][step - 1], got["after"][step]
+    for name, value in before.items():
+        assert torch.equal(after[name], value), f"{name} changed in the skipped step {step}"
+
+
+def test_dynamic_scale_from_overflow_equals_grad_scaler_bit_for_bit():
+    """A scale so large the scaled gradients overflow: the first steps skip and back off
+    (by 0.3: a factor whose product rounds, taken in double as GradScaler does), 2 clean
+    steps grow it by 3 until it overflows again; losses, scales, parameters and Adam's
+    state equal eager's."""
+    scaler = dict(init_scale=2.0 ** 126, growth_factor=3.0, backoff_factor=0.3,
+                  growth_interval=2)
+    text = ", ".join(f"{k}: {v}" for k, v in scaler.items())
+    got, want = _run_both(f"loss_scale: dynamic, {text}", scaler, data=_data(None, 100.0))
+    assert want["skipped"][:4] == [True, True, False, False] and any(want["skipped"][4:])
+    assert len(set(want["loss_scale"])) >= 4           # backed off and grown
+    _assert_history(got, want, exact=True)
+    _assert_skipped_unchanged(got, 1)
+
+
+@pytest.mark.parametrize("where", ["serial", "dp2"])
+def test_an_inf_skips_the_step_on_every_rank_and_halves_the_scale(where):
+    """Batch 3 holds an inf (on dp rank 0 only): the step is skipped, the parameters and
+    the optimizer state stay, the scale halves; the next steps train on and the scale,
+    grown every 2 clean steps, follows GradScaler's."""
+    scaler = dict(init_scale=4.0, growth_interval=2)
+    got, want = _run_both("loss_scale: dynamic, init_scale: 4.0, growth_interval: 2", scaler,
+                          mesh=DP2 if where == "dp2" else "", optim=torch.optim.Adam)
+    assert got["skipped"] == [s == INF_STEP for s in range(STEPS)]
+    scales = got["loss_scale"]
+    assert scales[INF_STEP + 1] == scales[INF_STEP] / 2
+    assert scales[-1] > scales[INF_STEP + 1]
+    assert math.isnan(got["loss"][INF_STEP]) or math.isinf(got["loss"][INF_STEP])
+    _assert_history(got, want, exact=where == "serial")
+    _assert_skipped_unchanged(got, INF_STEP)
+
+
+def test_a_fixed_scale_never_changes_and_still_skips():
+    """``loss_scale: 1024``: Megatron's constant scaler; eager is GradScaler put back to
+    1024 after every step."""
+    got, want = _run_both("loss_scale: 1024.0", dict(init_scale=1024.0), fixed=1024.0,
+                          optim=torch.optim.SGD)
+    assert got["loss_scale"] == [1024.0] * STEPS
+    assert got["skipped"] == [s == INF_STEP for s in range(STEPS)]
+    _assert_history(got, want, exact=True)
+
+
+def _flag_collectives(mesh: str) -> list[str]:
+    """The collectives that carry the found-inf check (a loss-scaling op's scalar)."""
+    strategy = ap.Strategy.from_yaml_str(mesh + "amp: {loss_scale: dynamic}\n")
+    model = parity_gpt("adamw", vocab=64, seq=8)
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()), strategy=strategy)
+    x, y = (torch.stack(t) for t in zip(*lm_data(4, 8, 64)))
+    program = engine.prepare(x, y)
+    return [op.attrs.get(COMM_TEXT, op.target) for op in program.ops
+            if op.kind is OpKind.COMM and "all_reduce" in op.target
+            and any(v.producer.attrs.get(LOSS_SCALING, "").startswith("unscale")
+                    for v in op.inputs)]
+
+
+@pytest.mark.parametrize("mesh, count", [
+    ("mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n", 0),
+    ("mesh: {shape: [2, 2], dim_names: [dp, tp]}\ndata_parallel: {axis: dp}\n"
+     f"tensor_parallel: {{axis: tp, plan: {TP_PLAN}}}\n", 1),
+    ("mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
+     "sharding: {stage: 2, axis: dp}\n", 1),
+], ids=["dp2", "dp2xtp2", "zero2"])
+def test_found_inf_takes_at_most_one_scalar_all_reduce(mesh, count):
+    found = _flag_collectives(mesh)
+    assert len(found) == count, found
+
+
+def test_pipelines_are_refused_naming_the_mesh():
+    strategy = ap.Strategy.from_yaml_str(
+        "mesh: {shape: [2], dim_names: [pp]}\npipeline: {axis: pp, micro_batches: 2}\n"
+        "amp: {loss_scale: dynamic}\n")
+    model = _mlp()
+    engine = ap.Engine(model, _mse, torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=strategy)
+    x, y = (torch.stack(t) for t in zip(*_data(None)[:4]))
+    with pytest.raises(ScaleLossError, match=r"pipeline .*dim_names \['pp'\]"):
+        engine.prepare(x, y)
+
+
+def test_two_real_ranks_skip_the_same_step():
+    """dp2 on two gloo processes: the inf reaches only rank 0's half of batch 3; both ranks
+    skip it, keep the same parameters, halve the scale, and end where eager does."""
+    results = run_ranks("train_scaled", 2, str(STEPS), str(BATCH), str(INF_STEP))
+    model = _mlp()
+    want = _eager(model, torch.optim.Adam(model.parameters(), lr=1e-2), _data(),
+                  torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2))
+    for rank, got in enumerate(results):
+        assert got["skipped"] == want["skipped"] == [s == INF_STEP for s in range(STEPS)]
+        assert got["loss_scale"] == want["loss_scale"], f"rank {rank}"
+        assert got["unchanged"], f"rank {rank}: the skipped step changed its state"
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(got["state"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
