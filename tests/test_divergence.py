@@ -44,6 +44,21 @@ def test_a_correct_plan_has_no_divergence():
     assert _engine().locate_divergence(*_batch()) is None
 
 
+def test_dropout_s_uninitialized_buffer_is_not_a_divergence():
+    """Attention dropout allocates its mask with empty_like before bernoulli_ fills it:
+    those bits differ between any two runs, so they are never compared."""
+    from autopar.models.gpt import GPT, GPTConfig, lm_loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                          dropout=0.5))
+    strategy = ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [dp]}\n"
+                                         "data_parallel: {axis: dp}\ndebug: {simulate: true}\n")
+    engine = ap.Engine(model, lm_loss,
+                       torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
+    tokens = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(1))
+    assert engine.locate_divergence(tokens[:, :-1], tokens[:, 1:]) is None
+
+
 def test_a_planted_bug_is_located_at_its_op(wrong_mean):
     found = _engine().locate_divergence(*_batch())
     assert found is not None
