@@ -25,8 +25,10 @@ none.
 The program reports ``amp[found_inf]`` (0. or 1., float32 like GradScaler's) and
 ``amp[loss_scale]`` (the scale this step's gradients were scaled by);
 ``skip_nonfinite_steps`` reads them once the optimizer is lowered. The unscale reads the
-gradient values the backward makes, so a pass that merges gradients over several batches
-before they are read composes with it (GradScaler too unscales the accumulated gradients).
+gradient values the backward makes, so gradient merge (``passes/merge_gradients.py``)
+composes as GradScaler does with accumulation: its accumulate-only program is only seeded
+with the scale and sums scaled gradients; its apply program checks and unscales the sum
+(the scale stays the same through a cycle: it only moves with an optimizer step).
 """
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ def scale_loss(program: Program, ctx: PassContext) -> Program:
             "would live on one stage while every stage's update reads its found_inf")
     scale = scaler_state_value(program, LOSS_SCALE, torch.float32)
     _seed_with(program, scale)
+    if ctx.inputs.accumulate_only:    # gradient merge: the scaled gradients are summed first
+        return program
     unscaled, found_inf = _unscale(program, [v for _, v in grads], scale)
     new = dict(zip([s for s, _ in grads], unscaled))
     results = [(slot, new.get(slot, v)) for slot, v in program.results()]
@@ -96,7 +100,7 @@ def scaler_state_value(program: Program, name: str, dtype: torch.dtype) -> Value
     """A 0-dim scaler state, declared with the other states at the top of the program."""
     op = Op(OpKind.STATE, "state", outputs=[Value(TensorType((), dtype))],
             attrs={STATE: StateKind.SCALER, NAME: name})
-    at = sum(1 for o in program.ops if o.kind in (OpKind.INPUT, OpKind.STATE))
+    at = next(i for i, o in enumerate(program.ops) if o.kind not in (OpKind.INPUT, OpKind.STATE))
     program.ops.insert(at, op)
     op.outputs[0].producer = op
     return op.result

@@ -14,6 +14,7 @@ rank the same sums), one under dp x tp and ZeRO-2 (sharded gradients check their
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ from .parity import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 BATCH, STEPS, INF_STEP = 6, 8, 3
 TP_PLAN = ('{"blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise, '
            '"blocks.*.fc1": colwise, "blocks.*.fc2": rowwise}')
@@ -78,14 +80,16 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {**params, **state}
 
 
-def _eager(model, optimizer, data, scaler: torch.amp.GradScaler, fixed: float | None = None
-           ) -> dict:
+def _eager(model, optimizer, data, scaler: torch.amp.GradScaler, fixed: float | None = None,
+           autocast: torch.dtype | None = None) -> dict:
     """The GradScaler loop: each step's loss, scale, whether it skipped, and a snapshot of
-    the parameters and optimizer state after it. ``fixed``: the scale kept constant."""
+    the parameters and optimizer state after it. ``fixed``: the scale kept constant;
+    ``autocast``: the forward and loss under ``torch.autocast("cpu", autocast)``."""
     out = {"loss": [], "loss_scale": [], "skipped": [], "after": []}
     for x, y in DataLoader(data, batch_size=BATCH):
         optimizer.zero_grad()
-        loss = _mse(model(x), y)
+        with torch.autocast("cpu", dtype=autocast or torch.float16, enabled=bool(autocast)):
+            loss = _mse(model(x), y)
         out["loss_scale"].append(scaler.get_scale())
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -108,13 +112,14 @@ def _ours(model, optimizer, data, strategy: ap.Strategy) -> dict:
 
 
 def _run_both(scaling: str, scaler: dict, mesh: str = "", fixed: float | None = None,
-              data: list | None = None, optim=torch.optim.AdamW):
+              data: list | None = None, optim=torch.optim.AdamW,
+              autocast: torch.dtype | None = None):
     data = _data() if data is None else data
     model = _mlp()
     ref = twin(model)
     got = _ours(model, optim(model.parameters(), lr=1e-2), data, _strategy(scaling, mesh))
     want = _eager(ref, optim(ref.parameters(), lr=1e-2), data,
-                  torch.amp.GradScaler("cpu", **scaler), fixed)
+                  torch.amp.GradScaler("cpu", **scaler), fixed, autocast)
     return got, want
 
 
@@ -185,6 +190,84 @@ def test_a_fixed_scale_never_changes_and_still_skips():
     assert got["loss_scale"] == [1024.0] * STEPS
     assert got["skipped"] == [s == INF_STEP for s in range(STEPS)]
     _assert_history(got, want, exact=True)
+
+
+def test_float16_o1_equals_autocast_and_grad_scaler_bit_for_bit():
+    """``amp: {enable: true, dtype: float16, level: O1, loss_scale: dynamic}`` against eager
+    ``torch.autocast("cpu", torch.float16)`` + GradScaler: the scale grows every 2 clean
+    steps until the float16 gradients overflow, and that step is skipped, as in eager."""
+    scaler = dict(init_scale=65536.0, growth_interval=2)
+    got, want = _run_both("enable: true, dtype: float16, level: O1, loss_scale: dynamic, "
+                          "init_scale: 65536.0, growth_interval: 2", scaler,
+                          data=_data(None), autocast=torch.float16)
+    assert any(want["skipped"]) and not want["skipped"][0]     # a real float16 overflow
+    _assert_history(got, want, exact=True)
+
+
+def test_gradient_merge_sums_scaled_gradients_and_checks_the_sum():
+    """gradient_merge k=2: both batches' gradients are scaled by the cycle's scale and
+    summed; the sum is unscaled and checked once, at the update (GradScaler with
+    accumulation: ``scaler.scale(loss).backward()`` k times, then ``step`` and ``update``).
+    The inf of batch 3 skips the second cycle's update."""
+    data = _data()
+    model = _mlp()
+    ref = twin(model)
+    strategy = _strategy("loss_scale: dynamic, init_scale: 4.0, growth_interval: 2",
+                         "gradient_merge: {k_steps: 2, avg: false}\n")
+    got = _ours(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), data,
+                strategy)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2)
+    scales, skipped = [], []
+    for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH)):
+        if i % 2 == 0:
+            scales.append(scaler.get_scale())
+        scaler.scale(_mse(ref(x), y)).backward()
+        if i % 2 == 1:
+            scaler.step(optimizer)
+            skipped.append(bool(sum(v.item() for v in
+                                    scaler._found_inf_per_device(optimizer).values())))
+            scaler.update()
+            optimizer.zero_grad()
+    assert got["skipped"] == skipped == [False, True, False, False]
+    assert got["loss_scale"] == scales
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_config_dp_fp16_follows_eager_grad_scaler():
+    """``configs/dp_fp16.yaml`` (dp2 float16 O1, dynamic scaling, clipping) on the simulator,
+    the scale from 2**14 growing every 2 steps, against one-device eager autocast + GradScaler
+    (``unscale_`` before ``clip_grad_norm_``): the same scales and skips; the losses differ
+    only by each rank's float16 rounding of its half of the batch."""
+    strategy = ap.Strategy.from_yaml(CONFIGS / "dp_fp16.yaml")
+    strategy = strategy.model_copy(update={
+        "debug": ap.Strategy(debug={"simulate": True}).debug,
+        "amp": strategy.amp.model_copy(update={"init_scale": 2.0 ** 14, "growth_interval": 2})})
+    model = parity_gpt("sgd")
+    ref = twin(model)
+    data = lm_data(STEPS * 4, 16, 64)
+    engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                        momentum=0.9), strategy=strategy)
+    history = engine.fit(data, batch_size=4, verbose=0)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=2)
+    losses, scales = [], []
+    for x, y in DataLoader(data, batch_size=4):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = lm_loss(ref(x), y)
+        scales.append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    assert history["loss_scale"] == scales and len(set(scales)) == STEPS // 2
+    assert history["skipped"] == [False] * STEPS
+    torch.testing.assert_close(torch.tensor(history["loss"]), torch.tensor(losses),
+                               rtol=RTOL, atol=ATOL)
 
 
 def _flag_collectives(mesh: str) -> list[str]:
