@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir import Op, OpKind, Program, Role, StateKind, Value
-from ..ir.attrs import COMM_TEXT, MULTI, NAME, STATE
+from ..ir import Op, OpKind, Program, Role, Value
+from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import AllGather
 from .context import PassContext
-from .zero_sharding import scheduled_axis
+from .zero_sharding import parameter_of, scheduled_axis
 
 __all__ = ["prefetch_gathers"]
 
@@ -73,12 +73,13 @@ def prefetch_gathers(program: Program, ctx: PassContext) -> Program:
 
 
 def _is_parameter_gather(op: Op, axis: int) -> bool:
-    """An all-gather over the sharding axis of a parameter's piece."""
+    """An all-gather over the sharding axis of a parameter's piece (or of its half copy,
+    under amp)."""
     if op.kind is not OpKind.COMM or len(op.args) != 1:
         return False
-    step, source = op.attrs.get(RESHARD_STEP), op.args[0].producer
-    return (isinstance(step, AllGather) and step.mesh_dim == axis and source is not None
-            and source.kind is OpKind.STATE and source.attrs[STATE] is StateKind.PARAM)
+    step = op.attrs.get(RESHARD_STEP)
+    return (isinstance(step, AllGather) and step.mesh_dim == axis
+            and parameter_of(op.args[0]) is not None)
 
 
 def _units(gathers: list[Op], by_layer: bool) -> list[_Unit]:
@@ -142,4 +143,4 @@ def _pair(unit: _Unit, number: int) -> tuple[Op, Op]:
 
 
 def _source_name(gather: Op) -> str:
-    return gather.args[0].producer.attrs[NAME]
+    return parameter_of(gather.args[0])

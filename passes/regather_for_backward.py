@@ -32,7 +32,7 @@ from ..ir.ops import op_info
 from ..ir.reason import Reason
 from ..reshard.comm import FOR_ROLE, RESHARD_STEP
 from .context import PassContext
-from .zero_sharding import scheduled_axis
+from .zero_sharding import half_copy, scheduled_axis
 
 __all__ = ["regather_for_backward", "gathered_families", "Family"]
 
@@ -93,7 +93,8 @@ def gathered_families(program: Program) -> list[Family]:
     users = program.users()
     found = []
     for state in program.states(StateKind.PARAM):
-        piece = state.result
+        # under amp the gathered piece may be the parameter's half copy (zero_sharding)
+        piece = half_copy(state.result, users) or state.result
         family = Family(state.attrs[NAME], piece)
         members: set[Value] = {piece}
         todo = [op for op in users.get(piece, ()) if op.kind is OpKind.COMM]

@@ -20,19 +20,25 @@ copy would live from forward to backward; ``regather_for_backward`` gives the ba
 own gather, ``prefetch_gathers`` issues each layer's gathers one layer ahead, and
 ``scatter_gradients_early`` reduce-scatters each gradient as soon as it is made.
 
+Under amp a parameter the model reads only through a cast to the half dtype (O2's
+top-of-step cast, O1's autocast cast of a weight) is gathered as that half copy: the cast
+runs on each rank's piece right after the parameter, and the pin goes on the copy, so stage
+3 gathers half the bytes (FSDP2's ``param_dtype``) and the same values.
+
 Uneven first dims are allowed (``torch.chunk`` pieces); a state that already shards dim 0 on
 another mesh dim (tensor parallelism) is cut further, nested as in DTensor.
 """
 from __future__ import annotations
 
 from ..ir import Op, OpKind, Program, Role, StateKind, Value
-from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS
+from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS, STATE
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, Shard
 from ..ir.reason import Reason
 from .context import PassContext
 from .pinning import AnnotationError, pin, trivial_dims_replicated
 
-__all__ = ["zero_sharding", "scheduled_axis", "from_backward"]
+__all__ = ["zero_sharding", "scheduled_axis", "from_backward", "half_copy",
+           "parameter_of"]
 
 
 def scheduled_axis(ctx: PassContext, stage: int) -> int | None:
@@ -74,28 +80,68 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
         for name, param in params.items():
             _pin_shard0(param, param, mesh, axis, sharding.stage, f"parameter {name!r}")
             if param.dist is not None and param.dist.placements[axis].is_shard():
-                _gather_for_uses(program, name, param, axis, users)
+                read = _read_copy(program, param, users)
+                _gather_for_uses(program, name, param, read, axis, users)
     return program
 
 
-def _gather_for_uses(program: Program, name: str, param: Value, axis: int,
+def _read_copy(program: Program, param: Value, users: dict[Value, list[Op]]) -> Value:
+    """What the model reads of ``param``: under amp, the half-dtype copy when a cast is the
+    parameter's only forward or backward reader (O2's top-of-step cast, O1's autocast cast
+    of a weight), hoisted to right after the parameter so every gather of it can start as
+    early as a gather of the parameter could; else the parameter. Stage 3 gathers that copy,
+    cast on each rank's piece: half the bytes (FSDP2's ``param_dtype``), the same values."""
+    copy = half_copy(param, users)
+    if copy is None:
+        return param
+    program.ops.remove(copy.producer)
+    program.insert_after(param.producer, copy.producer)
+    return copy
+
+
+def half_copy(param: Value, users: dict[Value, list[Op]]) -> Value | None:
+    """The half-dtype copy of ``param`` that is its only forward or backward reader."""
+    readers = [op for op in users.get(param, ()) if op.role in (Role.FORWARD, Role.BACKWARD)]
+    return readers[0].result if len(readers) == 1 and _narrows(readers[0]) else None
+
+
+def _narrows(op: Op) -> bool:
+    if op.kind is not OpKind.CALL or op.target != "aten._to_copy.default" or op.kwargs.keys() \
+            - {"dtype", "layout", "device"} or len(op.args) != 1:
+        return False
+    src, dst = op.args[0].type.dtype, op.result.type.dtype
+    return src.is_floating_point and dst.is_floating_point and dst.itemsize < src.itemsize
+
+
+def parameter_of(value: Value) -> str | None:
+    """The parameter ``value`` is, or whose half copy it is (``_read_copy``); else None."""
+    op = value.producer
+    if op is not None and op.kind is OpKind.CALL and _narrows(op):
+        op = op.args[0].producer
+    if op is None or op.kind is not OpKind.STATE or op.attrs[STATE] is not StateKind.PARAM:
+        return None
+    return op.attrs[NAME]
+
+
+def _gather_for_uses(program: Program, name: str, param: Value, read: Value, axis: int,
                      users: dict[Value, list[Op]]) -> None:
-    """Stage 3: the forward reads the parameter gathered on the axis, and the backward gathers
-    it again (an annotation pinning Replicate there, just before each phase's first use), so
-    the gathered copy need not live from forward to backward; the update reads the piece.
-    Without this, completion may keep the weight sharded and move activations instead."""
+    """Stage 3: the forward reads the parameter (``read``: or its half copy) gathered on the
+    axis, and the backward gathers it again (an annotation pinning Replicate there, just
+    before each phase's first use), so the gathered copy need not live from forward to
+    backward; the update reads the piece. Without this, completion may keep the weight
+    sharded and move activations instead."""
     for role in (Role.FORWARD, Role.BACKWARD):
-        readers = [op for op in users.get(param, ()) if op.role is role]
+        readers = [op for op in users.get(read, ()) if op.role is role]
         if not readers:
             continue
         first = min(readers, key=program.ops.index)
         dist = param.dist.with_placement(axis, Replicate())
-        note = Op(OpKind.CALL, "autopar.annotate", (param,), outputs=[Value(param.type)],
+        note = Op(OpKind.CALL, "autopar.annotate", (read,), outputs=[Value(read.type)],
                   role=role, module=first.module, forward_op=first.forward_op,
                   attrs={DIST: dist, PINNED_DIMS: (axis,), ORIGIN: f"zero-3 gather {name}"})
         program.insert_after(program.ops[program.ops.index(first) - 1], note)
         for op in readers:
-            op.map_inputs(lambda v, note=note: note.result if v is param else v)
+            op.map_inputs(lambda v, note=note: note.result if v is read else v)
 
 
 def _shard_gradient(program: Program, update: Op, dist: DistAttr, axis: int) -> None:

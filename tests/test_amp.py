@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 import autopar as ap
 from autopar.models.gpt import lm_loss
 from autopar.reshard.comm import BUCKET_STEPS, RESHARD_STEP
-from autopar.reshard.steps import AllReduce, ReduceScatter
+from autopar.reshard.steps import AllGather, AllReduce, ReduceScatter
 
 from . import models_zoo as zoo
 from .multiproc import run_ranks
@@ -232,9 +232,9 @@ def test_o1_tp_sp_pp_within_twice_torch_ddp_deviation(config, capsys):
 # --------------------------------------------------------------------------------------
 # O2 across ranks: the gradient reduction's dtype
 # --------------------------------------------------------------------------------------
-def reduced_dtypes(program, kind: type) -> Counter:
-    """How many tensors (not the loss: a scalar) the plan's reductions of ``kind``
-    (``AllReduce``, ``ReduceScatter``) sum across ranks, by dtype."""
+def moved_dtypes(program, kind: type) -> Counter:
+    """How many tensors (not the loss: a scalar) the plan's collectives of ``kind``
+    (``AllReduce``, ``ReduceScatter``, ``AllGather``) move across ranks, by dtype."""
     found: Counter = Counter()
     for op in program.ops:
         steps = op.attrs.get(BUCKET_STEPS) or (op.attrs.get(RESHARD_STEP),)
@@ -274,7 +274,7 @@ def dp2_eager_o2(model: torch.nn.Module, data, steps: int, reduce: torch.dtype) 
 def test_o2_dp2_reduces_gradients_in_reduce_dtype(config, reduce_dtype, tmp_path):
     """The plan's gradient all-reduces (ZeRO-3: reduce-scatters, the update's piece) carry
     ``reduce_dtype``, the casts report says so, and the numbers are the eager two-rank sum
-    in that dtype, bit for bit."""
+    in that dtype, bit for bit. ZeRO-3 gathers the parameters' bf16 copies."""
     model = parity_gpt("adamw", vocab=VOCAB, seq=SEQ)
     reference = copy.deepcopy(model)
     data = lm_data(STEPS * BATCH, SEQ, VOCAB)
@@ -288,8 +288,11 @@ def test_o2_dp2_reduces_gradients_in_reduce_dtype(config, reduce_dtype, tmp_path
 
     dtype = getattr(torch, reduce_dtype)
     kind = ReduceScatter if config == "dp_zero3" else AllReduce
-    reductions = reduced_dtypes(engine.planner.last("train").program, kind)
+    program = engine.planner.last("train").program
+    reductions = moved_dtypes(program, kind)
     assert set(reductions) == {dtype} and reductions[dtype] > 0
+    if config == "dp_zero3":     # the parameters' bf16 copies are gathered, cast on the piece
+        assert set(moved_dtypes(program, AllGather)) == {BF16}
     report = next(tmp_path.glob("rank0/*gradient_reduce_dtype.amp.txt")).read_text()
     where = "before" if reduce_dtype == "bfloat16" else "after"
     short = {"float32": "f32", "bfloat16": "bf16"}[reduce_dtype]
