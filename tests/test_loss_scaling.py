@@ -80,16 +80,33 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {**params, **state}
 
 
+def _fp32(model, x, y):
+    return _mse(model(x), y)
+
+
+def _o1(model, x, y):
+    """Eager O1 float16: the forward and the loss under autocast."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        return _mse(model(x), y)
+
+
+def _o2(model, x, y):
+    """Eager O2 float16 by hand: the model reads float16 copies of its fp32 parameters and
+    the float16 batch, its output goes back to fp32 for the loss."""
+    half = {name: p.to(torch.float16) for name, p in model.named_parameters()}
+    out = torch.func.functional_call(model, half, (x.to(torch.float16),)).float()
+    return _mse(out, y.to(torch.float16))
+
+
 def _eager(model, optimizer, data, scaler: torch.amp.GradScaler, fixed: float | None = None,
-           autocast: torch.dtype | None = None) -> dict:
+           forward=_fp32) -> dict:
     """The GradScaler loop: each step's loss, scale, whether it skipped, and a snapshot of
     the parameters and optimizer state after it. ``fixed``: the scale kept constant;
-    ``autocast``: the forward and loss under ``torch.autocast("cpu", autocast)``."""
+    ``forward``: how the loss is computed (fp32, or eager O1 / O2)."""
     out = {"loss": [], "loss_scale": [], "skipped": [], "after": []}
     for x, y in DataLoader(data, batch_size=BATCH):
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=autocast or torch.float16, enabled=bool(autocast)):
-            loss = _mse(model(x), y)
+        loss = forward(model, x, y)
         out["loss_scale"].append(scaler.get_scale())
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -112,14 +129,13 @@ def _ours(model, optimizer, data, strategy: ap.Strategy) -> dict:
 
 
 def _run_both(scaling: str, scaler: dict, mesh: str = "", fixed: float | None = None,
-              data: list | None = None, optim=torch.optim.AdamW,
-              autocast: torch.dtype | None = None):
+              data: list | None = None, optim=torch.optim.AdamW, forward=_fp32):
     data = _data() if data is None else data
     model = _mlp()
     ref = twin(model)
     got = _ours(model, optim(model.parameters(), lr=1e-2), data, _strategy(scaling, mesh))
     want = _eager(ref, optim(ref.parameters(), lr=1e-2), data,
-                  torch.amp.GradScaler("cpu", **scaler), fixed, autocast)
+                  torch.amp.GradScaler("cpu", **scaler), fixed, forward)
     return got, want
 
 
@@ -192,14 +208,16 @@ def test_a_fixed_scale_never_changes_and_still_skips():
     _assert_history(got, want, exact=True)
 
 
-def test_float16_o1_equals_autocast_and_grad_scaler_bit_for_bit():
-    """``amp: {enable: true, dtype: float16, level: O1, loss_scale: dynamic}`` against eager
-    ``torch.autocast("cpu", torch.float16)`` + GradScaler: the scale grows every 2 clean
-    steps until the float16 gradients overflow, and that step is skipped, as in eager."""
+@pytest.mark.parametrize("level, forward", [("O1", _o1), ("O2", _o2)])
+def test_float16_equals_eager_with_grad_scaler_bit_for_bit(level, forward):
+    """``amp: {enable: true, dtype: float16, level: O1 | O2, loss_scale: dynamic}`` against
+    eager float16 (O1: ``torch.autocast("cpu", torch.float16)``; O2: float16 copies of the
+    fp32 master weights) + GradScaler: the scale grows every 2 clean steps until the float16
+    gradients overflow, and that step is skipped, as in eager."""
     scaler = dict(init_scale=65536.0, growth_interval=2)
-    got, want = _run_both("enable: true, dtype: float16, level: O1, loss_scale: dynamic, "
+    got, want = _run_both(f"enable: true, dtype: float16, level: {level}, loss_scale: dynamic, "
                           "init_scale: 65536.0, growth_interval: 2", scaler,
-                          data=_data(None), autocast=torch.float16)
+                          data=_data(None), forward=forward)
     assert any(want["skipped"]) and not want["skipped"][0]     # a real float16 overflow
     _assert_history(got, want, exact=True)
 
