@@ -112,6 +112,35 @@ def test_serial_gpt_equals_eager_bit_for_bit(level, forward):
     assert_equal_state(model, reference)
 
 
+def test_o2_float16_with_dynamic_loss_scaling_equals_eager_gradscaler():
+    """O2 in float16 with the loss-scaling passes: the backward from the scaled fp32 loss
+    runs in float16 (its first step overflows at a scale of 2^19 and is skipped), the fp32
+    master gradients are unscaled and checked, as eager O2 with ``torch.amp.GradScaler``."""
+    model = parity_gpt("adamw", vocab=VOCAB, seq=SEQ)
+    reference = copy.deepcopy(model)
+    data = lm_data(STEPS * BATCH, SEQ, VOCAB)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 19)
+    want, scales = [], []
+    for x, y in list(DataLoader(data, batch_size=BATCH))[:STEPS]:
+        optimizer.zero_grad()
+        half = {name: p.to(torch.float16) for name, p in reference.named_parameters()}
+        loss = lm_loss(torch.func.functional_call(reference, half, (x,)).float(), y)
+        scales.append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        want.append(loss.item())
+    strategy = ap.Strategy(amp={"enable": True, "dtype": "float16", "level": "O2",
+                                "loss_scale": "dynamic", "init_scale": 2.0 ** 19})
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=strategy)
+    history = engine.fit(data, batch_size=BATCH, steps_per_epoch=STEPS, verbose=0)
+    assert history["loss"] == want and history["loss_scale"] == scales
+    assert history["skipped"][0] and not any(history["skipped"][1:])
+    assert_equal_state(model, reference)
+
+
 def test_o1_hf_llama_equals_eager_autocast_bit_for_bit():
     """A third-party model (RMSNorm, rotary, SwiGLU, grouped-query SDPA) computing its own
     loss: autocast's casts inside transformers' code are captured as eager makes them."""
