@@ -85,7 +85,7 @@ def _gradients(program: Program, ctx: PassContext) -> dict[str, Value]:
         update = v.producer
         if slot.kind != "update" or v.index != 0 or not update.target.startswith("optim."):
             continue
-        g = from_backward(update.args[1])
+        g = _before_reduction(from_backward(update.args[1]))
         if g.producer.role is Role.OPTIMIZER or g.producer.kind is not OpKind.CALL:
             raise GradientMergeError(
                 f"gradient_merge: the gradient {update.target} ({update.module or 'top level'}"
@@ -94,6 +94,24 @@ def _gradients(program: Program, ctx: PassContext) -> dict[str, Value]:
                 f"{ctx.state.mesh})")
         found[slot.name] = g
     return found
+
+
+def _before_reduction(g: Value) -> Value:
+    """Back through a one-input op that reads its input reduced (amp's cast of the half
+    gradient to fp32 when ``reduce_dtype`` is the half one: the reduction comes before the
+    cast), so the accumulator holds the partial terms and only the apply step reduces."""
+    while (op := g.producer).kind is OpKind.CALL and len(op.needs) == 1 \
+            and len(ins := [v for v in op.inputs if v.is_tensor]) == 1 \
+            and _reduced(ins[0].dist, op.needs[0]):
+        g = ins[0]
+    return g
+
+
+def _reduced(have: DistAttr | None, need: DistAttr | None) -> bool:
+    """Whether reading ``have`` as ``need`` sums partial terms over some mesh dim."""
+    return have is not None and need is not None and any(
+        p.is_partial() and not q.is_partial()
+        for p, q in zip(have.placements, need.placements))
 
 
 def _accumulator_dist(g: Value) -> DistAttr | None:
@@ -174,18 +192,18 @@ def _apply(program: Program, name: str, g: Value, total: Value, users: dict[Valu
 
 def _accumulate_only(program: Program, ctx: PassContext, gradients: dict[str, Value],
                      merged: dict[str, Value], users: dict[Value, list[Op]]) -> Program:
-    """Keep the loss, outputs and buffer updates; write each sum back to its accumulator;
-    drop what read the gradients (clipping, updates), their state and hyper-parameters."""
+    """Keep what does not read the gradients (the loss, outputs, buffer updates) and write
+    each sum back to its accumulator; drop what does: clipping, the updates and their state,
+    loss scaling's check and scale update (each belongs to the optimizer step, once per k
+    batches; a state without its update keeps its value), and the unused hyper-parameters."""
     readers = {op for g in gradients.values() for op in users.get(g, ())}
     dropped = _downstream(program, readers)
-    optimizer_states = {op.attrs[NAME] for op in program.states(StateKind.PARAM)}
-    optimizer_states |= {op.attrs[NAME] for op in program.states(StateKind.OPTIM)}
-    results = [(s, v) for s, v in program.results()
-               if not (s.kind == "update" and s.name in optimizer_states)]
-    if any(v.producer in dropped for _, v in results):
-        kept = [str(s) for s, v in results if v.producer in dropped]
-        raise GradientMergeError(f"gradient_merge: results {kept} are computed from "
-                                 "gradients, so an accumulate-only step cannot keep them")
+    lost = [str(s) for s, v in program.results()
+            if v.producer in dropped and s.kind in ("loss", "output")]
+    if lost:
+        raise GradientMergeError(f"gradient_merge: results {lost} are computed from the "
+                                 "gradients, so a step that only accumulates cannot make them")
+    results = [(s, v) for s, v in program.results() if v.producer not in dropped]
     results += [(Slot("update", accumulator_name(n)), v) for n, v in merged.items()]
     program.ops = [op for op in program.ops if op not in dropped]
     _set_results(program, results)

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import autopar as ap
-from autopar.ir import OpKind, Role
+from autopar.ir import OpKind, Role, StateKind
 from autopar.models.gpt import lm_loss
 from autopar.passes.merge_gradients import MERGE, GradientMergeError
 from autopar.reshard.comm import FOR_ROLE
@@ -198,6 +198,54 @@ def test_accumulate_program_has_no_gradient_communication():
     assert merges == {"accumulate", "average", "reset"}
     updated = {s.name for s, _ in accumulate.results() if s.kind == "update"}
     assert updated and all(n.startswith("gradient_merge/") for n in updated)
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_amp_o2_accumulates_in_the_reduce_dtype_without_communication(reduce_dtype):
+    """O2 makes half gradients; the accumulator holds them as they are reduced (FSDP2
+    accumulates in its reduce dtype too): fp32 after the cast, or the half partial terms
+    before a half reduction, and either way an accumulating step communicates no gradient."""
+    engine, _, _ = _engine("adamw", _strategy(
+        "dp2", f"amp: {{enable: true, dtype: bfloat16, level: O2, "
+               f"reduce_dtype: {reduce_dtype}}}\n"))
+    x, y = (torch.stack(t) for t in zip(*_data()[:B]))
+    accumulate, apply = engine.prepare(x, y, accumulate_only=True), engine.prepare(x, y)
+    def reductions(program) -> list:     # a half reduction feeds the backward's cast
+        return [op for op in program.ops if op.kind is OpKind.COMM
+                and op.attrs.get(FOR_ROLE) in (Role.BACKWARD, Role.OPTIMIZER)]
+
+    assert not reductions(accumulate) and reductions(apply)
+    accumulators = accumulate.states(StateKind.GRAD_MERGE)
+    assert accumulators and {op.result.type.dtype for op in accumulators} == {
+        getattr(torch, reduce_dtype)}
+
+
+def test_loss_scaling_checks_and_updates_once_per_optimizer_step():
+    """fp16 with dynamic loss scaling equals eager's GradScaler accumulation loop: every
+    batch's scaled loss is backpropagated, the scale is checked (inf/nan) and updated once
+    per optimizer step, on the merged gradients."""
+    amp = ("amp: {enable: true, dtype: float16, level: O1, loss_scale: dynamic, "
+           "init_scale: 1024.0, growth_interval: 1}\n")
+    engine, model, ref = _engine("sgd", _strategy("serial", amp))
+    history = engine.fit(_data(), batch_size=B, verbose=0)
+    ref_opt, _ = gpt_optimizer("sgd", ref)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    want, scales = [], []
+    for i, (x, y) in enumerate(DataLoader(_data(), batch_size=B)):
+        torch.manual_seed(i)
+        with torch.autocast("cpu", torch.float16):
+            loss = lm_loss(ref(x), y)
+        scaler.scale(loss / K).backward()
+        want.append(loss.item())
+        if (i + 1) % K == 0:
+            scales.append(scaler.get_scale())
+            scaler.step(ref_opt)
+            scaler.update()
+            ref_opt.zero_grad()
+    assert_same_losses(history["loss"], want)
+    assert_same_params(model, ref)
+    assert history["loss_scale"] == scales == [1024.0, 2048.0]   # grown once per step
+    assert history["skipped"] == [False, False]
 
 
 def test_gradient_merge_needs_an_optimizer():
