@@ -11,6 +11,7 @@
     split_stages                                 each forward/backward op's pipeline stage
     regroup_flattens                             where a reshape may keep a merged shard
     completion                                   a placement for every value (SPMD rules)
+    merge_gradients                              gradients accumulated over k batches
     reshard                                      communication where placements differ
     bucket_collectives, join_gradients           fewer, larger, asynchronous collectives
     assign_phases, schedule_pipeline             a pipeline's phases and job order

@@ -10,6 +10,10 @@ here, so completion places them identically:
 * the *apply* program (the k-th batch) hands the optimizer ``(acc + g) / k`` (``avg``) in
   place of ``g`` and resets the accumulator to zeros.
 
+An accumulating step drops every result computed from the gradients (a state without its
+update keeps its value): amp's loss-scaling check and scale update run once per optimizer
+step, on the merged gradients, as ``GradScaler`` does with accumulation.
+
 An accumulator is the state ``gradient_merge/<param FQN>`` (``StateKind.GRAD_MERGE``: not
 ``<param>/<key>``, the namespace the engine exposes as torch's optimizer state), placed
 exactly like the gradient as the backward makes it: a ``Partial(sum)`` over dp stays a
@@ -19,7 +23,9 @@ the gradient is summed over micro-batches first (its ``mb`` dim is replicated): 
 ops run once a step, with the optimizer (role ``opt``, the post phase). Elsewhere they are
 the backward's last word on the gradient (role ``bwd``, right after it is made, as
 autograd's ``.grad +=``), so bucketed all-reduces and early reduce-scatters of the merged
-gradient still overlap the backward. Each merge op says what it does in the dumps
+gradient still overlap the backward. Under amp the gradient is taken as it is reduced: after
+the cast to fp32, or, when ``reduce_dtype`` is the half one, the half partial terms before
+the cast that reads them reduced. Each merge op says what it does in the dumps
 (``{merge=...}``).
 """
 from __future__ import annotations
@@ -89,9 +95,9 @@ def _gradients(program: Program, ctx: PassContext) -> dict[str, Value]:
         if g.producer.role is Role.OPTIMIZER or g.producer.kind is not OpKind.CALL:
             raise GradientMergeError(
                 f"gradient_merge: the gradient {update.target} ({update.module or 'top level'}"
-                f") updates {slot.name!r} with does not trace back to the backward (it stops "
-                f"at {g.producer.target}, role {g.producer.role.value}; placed {g.dist}, mesh "
-                f"{ctx.state.mesh})")
+                f") updates {slot.name!r} with does not come from the backward: it stops at "
+                f"{g.producer.target} (role {g.producer.role.value}), placed {g.dist} on "
+                f"{ctx.state.mesh or 'one device'}")
         found[slot.name] = g
     return found
 
