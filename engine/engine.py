@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -254,11 +255,22 @@ class Engine:
                     history.setdefault(f"val_{k}", []).append(v)
                 if self.is_logging_rank and verbose:
                     print("validation " + " ".join(f"{k}: {v:.4f}" for k, v in scores.items()))
+        self._warn_mid_cycle()
         if not (self.distributed and self.state.deferred is not None):
             self.sync_model()     # a meta model's pieces stay pieces: state_dict() gathers
         if self.strategy.debug.trace:
             self._write_trace()
         return history
+
+    def _warn_mid_cycle(self) -> None:
+        """Gradient merge: batches of an unfinished cycle are in no parameter yet (the next
+        batches trained finish it), which a model read after ``fit`` would not show."""
+        k = self.strategy.gradient_merge.k_steps
+        if self.batches_trained % k and self.is_logging_rank:
+            warnings.warn(f"gradient_merge: fit ended {self.batches_trained % k} batch(es) "
+                          f"into a cycle of k_steps={k}: their gradients wait in the "
+                          "accumulators for the next batches trained, and are in no "
+                          "parameter yet", stacklevel=3)
 
     def evaluate(self, valid_data, batch_size: int = 1, steps: int | None = None,
                  log_freq: int = 10, collate_fn: Callable | None = None,
