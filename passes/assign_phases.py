@@ -204,14 +204,16 @@ class _Jobs:
 
     def _demand(self, user: Op, value: Value, everywhere: frozenset[int]) -> frozenset[int]:
         """Stages where ``user`` reads ``value``: the output op reads an updated state where
-        the state lives, and the loss and model outputs on every stage."""
+        the state lives, and the loss and model outputs on every stage. A state not placed
+        yet (no optimizer update places it: loss scaling's scale, which every stage's
+        unscale reads) is updated on every stage, each from the same values."""
         if user.kind is not OpKind.OUTPUT:
             return self.where[user]
         stages: set[int] = set()
         for slot, v in zip(user.attrs[SLOTS], user.args):
             if v is value:
-                stages |= (self.where[self._state(slot.name)] if slot.kind == "update"
-                           else everywhere)
+                stages |= (self.where.get(self._state(slot.name), everywhere)
+                           if slot.kind == "update" else everywhere)
         return frozenset(stages)
 
     def _state(self, name: str) -> Op:

@@ -80,11 +80,6 @@ def scale_loss(program: Program, ctx: PassContext) -> Program:
     grads = [(slot, v) for slot, v in program.results() if slot.kind == "grad"]
     if not scales_loss(ctx.strategy.amp, ctx.mode) or not grads:
         return program
-    if ctx.inputs.pipeline is not None:
-        raise ScaleLossError(
-            f"amp loss_scale {ctx.strategy.amp.loss_scale!r} with a pipeline "
-            f"({ctx.strategy.describe_mesh()}) is not supported yet: the scaler's state "
-            "would live on one stage while every stage's update reads its found_inf")
     scale = scaler_state_value(program, LOSS_SCALE, torch.float32)
     _seed_with(program, scale)
     if ctx.inputs.accumulate_only:    # gradient merge: the scaled gradients are summed first

@@ -25,7 +25,7 @@ from autopar.ir import OpKind
 from autopar.ir.attrs import COMM_TEXT
 from autopar.models import MLP
 from autopar.models.gpt import lm_loss
-from autopar.passes.scale_loss import LOSS_SCALING, ScaleLossError
+from autopar.passes.scale_loss import LOSS_SCALING
 
 from .multiproc import run_ranks
 from .parity import (
@@ -313,16 +313,45 @@ def test_found_inf_takes_at_most_one_scalar_all_reduce(mesh, count):
     assert len(found) == count, found
 
 
-def test_pipelines_are_refused_naming_the_mesh():
+def test_pipeline_stages_skip_together():
+    """pp2 1F1B (simulator) on the GPT: each stage unscales and checks its own gradients,
+    their sums meet in one flag every stage's updates read; a scale that overflows at first
+    skips the first steps on both stages (a stage that updated from inf gradients would end
+    in nan), then the scale grows as GradScaler's."""
+    init = 3.0e38
     strategy = ap.Strategy.from_yaml_str(
-        "mesh: {shape: [2], dim_names: [pp]}\npipeline: {axis: pp, micro_batches: 2}\n"
-        "amp: {loss_scale: dynamic}\n")
-    model = _mlp()
-    engine = ap.Engine(model, _mse, torch.optim.SGD(model.parameters(), lr=0.1),
-                       strategy=strategy)
-    x, y = (torch.stack(t) for t in zip(*_data(None)[:4]))
-    with pytest.raises(ScaleLossError, match=r"pipeline .*dim_names \['pp'\]"):
-        engine.prepare(x, y)
+        "mesh: {shape: [2], dim_names: [pp]}\n"
+        "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2}\n"
+        f"amp: {{loss_scale: dynamic, init_scale: {init:.6e}, growth_factor: 3.0, "
+        "backoff_factor: 0.3, growth_interval: 2}\ndebug: {simulate: true}\n")
+    model = parity_gpt("sgd")
+    ref = twin(model)
+    data = lm_data(STEPS * 4, 16, 64)
+    engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                        momentum=0.9), strategy=strategy)
+    history = engine.fit(data, batch_size=4, verbose=0)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=3.0,
+                                  backoff_factor=0.3, growth_interval=2)
+    losses, skipped, scales = [], [], []
+    for x, y in DataLoader(data, batch_size=4):
+        optimizer.zero_grad()
+        loss = lm_loss(ref(x), y)
+        scales.append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        skipped.append(bool(sum(v.item() for v in
+                                scaler._found_inf_per_device(optimizer).values())))
+        scaler.update()
+        losses.append(loss.item())
+    assert history["skipped"] == skipped and skipped[:2] == [True, True]
+    # GradScaler's first get_scale() is the Python float it was given, not its fp32 state
+    assert history["loss_scale"] == [torch.tensor(init).item()] + scales[1:]
+    torch.testing.assert_close(torch.tensor(history["loss"]), torch.tensor(losses),
+                               rtol=RTOL, atol=ATOL)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def test_two_real_ranks_skip_the_same_step():
