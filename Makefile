@@ -31,6 +31,7 @@ bench: $(VENV_STAMP)
 	$(PY) bench/zero_vs_fsdp2.py
 	$(PY) bench/memory_estimate.py
 	$(PY) bench/recompute.py
+	$(PY) bench/amp.py
 
 clean:
 	rm -rf .venv
