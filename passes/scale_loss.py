@@ -42,7 +42,7 @@ from ..strategy.sections import AmpConfig
 from .context import PassContext
 
 __all__ = ["LOSS_SCALING", "LOSS_SCALE", "GROWTH_TRACKER", "FOUND_INF", "SCALE_USED",
-           "scaler_state", "scaler_state_value", "scales_loss", "scale_loss", "ScaleLossError"]
+           "scaler_state", "declare_scaler_state", "scales_loss", "scale_loss", "ScaleLossError"]
 
 LOSS_SCALING: Attr[str] = Attr("loss_scaling", str, "what an op does for loss scaling "
                                "(passes/scale_loss.py, passes/skip_nonfinite_steps.py)",
@@ -80,7 +80,7 @@ def scale_loss(program: Program, ctx: PassContext) -> Program:
     grads = [(slot, v) for slot, v in program.results() if slot.kind == "grad"]
     if not scales_loss(ctx.strategy.amp, ctx.mode) or not grads:
         return program
-    scale = scaler_state_value(program, LOSS_SCALE, torch.float32)
+    scale = declare_scaler_state(program, LOSS_SCALE, torch.float32)
     _seed_with(program, scale)
     if ctx.inputs.accumulate_only:    # gradient merge: the scaled gradients are summed first
         return program
@@ -91,7 +91,7 @@ def scale_loss(program: Program, ctx: PassContext) -> Program:
     return program
 
 
-def scaler_state_value(program: Program, name: str, dtype: torch.dtype) -> Value:
+def declare_scaler_state(program: Program, name: str, dtype: torch.dtype) -> Value:
     """A 0-dim scaler state, declared with the other states at the top of the program."""
     op = Op(OpKind.STATE, "state", outputs=[Value(TensorType((), dtype))],
             attrs={STATE: StateKind.SCALER, NAME: name})
@@ -150,9 +150,9 @@ def _unscale(program: Program, grads: list[Value], scale: Value) -> tuple[list[V
     examples = [torch.empty(v.type.shape, dtype=v.type.dtype) for v in grads]
     gm = make_fx(_check_and_unscale, tracing_mode="fake")(
         examples, torch.empty((), dtype=torch.float32))
-    first = len(program.ops)
+    first = len(program.ops) - 1      # the traced ops go in before the output op
     *unscaled, found_inf = lower_graph(program, gm, [*grads, scale], Role.OPTIMIZER)
-    for op in program.ops[first - 1:]:
+    for op in program.ops[first:]:
         if op.kind is OpKind.CALL:
             op.attrs[LOSS_SCALING] = "unscale and check for inf/nan"
     return list(unscaled), found_inf

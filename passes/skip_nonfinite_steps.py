@@ -36,7 +36,7 @@ from .scale_loss import (
     LOSS_SCALE,
     LOSS_SCALING,
     SCALE_USED,
-    scaler_state_value,
+    declare_scaler_state,
     scales_loss,
 )
 
@@ -50,7 +50,7 @@ def skip_nonfinite_steps(program: Program, ctx: PassContext) -> Program:
     _guard_updates(program, found_inf)
     if amp.loss_scale == "dynamic":
         scale = slots[SCALE_USED]
-        tracker = scaler_state_value(program, GROWTH_TRACKER, torch.int32)
+        tracker = declare_scaler_state(program, GROWTH_TRACKER, torch.int32)
         new_scale, new_tracker = _update_scale(program, scale, tracker, found_inf,
                                                amp.growth_factor, amp.backoff_factor,
                                                amp.growth_interval)
@@ -88,10 +88,10 @@ def _update_scale(program: Program, scale: Value, tracker: Value, found_inf: Val
                              backoff_factor=backoff_factor, growth_interval=growth_interval)
     examples = [torch.empty((), dtype=v.type.dtype) for v in (scale, tracker, found_inf)]
     gm = make_fx(rule, tracing_mode="fake")(*examples)
-    first = len(program.ops)
+    first = len(program.ops) - 1      # the traced ops go in before the output op
     new_scale, new_tracker = lower_graph(program, gm, [scale, tracker, found_inf],
                                          Role.OPTIMIZER)
-    for op in program.ops[first - 1:]:
+    for op in program.ops[first:]:
         if op.kind is OpKind.CALL:
             op.attrs[LOSS_SCALING] = "dynamic scale update"
     return new_scale, new_tracker

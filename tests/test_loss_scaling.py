@@ -71,6 +71,8 @@ def _strategy(scaling: str, mesh: str = "") -> ap.Strategy:
 
 
 DP2 = "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\ndebug: {simulate: true}\n"
+MESHES = {"serial": "", "dp2": DP2, "dp2_zero2": DP2 + "sharding: {stage: 2, axis: dp}\n",
+          "dp2_zero3": DP2 + "sharding: {stage: 3, axis: dp}\n"}
 
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -181,14 +183,14 @@ def test_dynamic_scale_from_overflow_equals_grad_scaler_bit_for_bit():
     _assert_skipped_unchanged(got, 1)
 
 
-@pytest.mark.parametrize("where", ["serial", "dp2"])
+@pytest.mark.parametrize("where", list(MESHES))
 def test_an_inf_skips_the_step_on_every_rank_and_halves_the_scale(where):
     """Batch 3 holds an inf (on dp rank 0 only): the step is skipped, the parameters and
-    the optimizer state stay, the scale halves; the next steps train on and the scale,
-    grown every 2 clean steps, follows GradScaler's."""
+    the optimizer state stay (ZeRO: every rank's pieces), the scale halves; the next steps
+    train on and the scale, grown every 2 clean steps, follows GradScaler's."""
     scaler = dict(init_scale=4.0, growth_interval=2)
     got, want = _run_both("loss_scale: dynamic, init_scale: 4.0, growth_interval: 2", scaler,
-                          mesh=DP2 if where == "dp2" else "", optim=torch.optim.Adam)
+                          mesh=MESHES[where], optim=torch.optim.Adam)
     assert got["skipped"] == [s == INF_STEP for s in range(STEPS)]
     scales = got["loss_scale"]
     assert scales[INF_STEP + 1] == scales[INF_STEP] / 2
