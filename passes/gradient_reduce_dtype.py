@@ -15,7 +15,10 @@ Partial through the cast (a widening cast is exact on each rank's term) so resha
 the fp32 gradient; the half dtype moves it onto the cast's input, to the placement the
 gradient's consumers want (a ZeRO gradient's shard: reduce-scatter in half, cast the shard).
 Activation casts (tensor parallelism's partial input gradients) are left as completion
-placed them: they are not what ``reduce_dtype`` is about.
+placed them: they are not what ``reduce_dtype`` is about. In a pipeline the sum over
+micro-batches (the ``mb`` mesh dim) lands on the same side as the ranks' sum, so a half
+``reduce_dtype`` also accumulates micro-batches in half, and the ranks' sum still runs once
+a step.
 
 Its report (``NN_gradient_reduce_dtype.amp.txt``) lists where the casts went: per module,
 how many casts to which dtype in the forward and the backward, and where each parameter
