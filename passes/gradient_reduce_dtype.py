@@ -112,7 +112,6 @@ def _reduce_before(op: Op, users: dict[Value, list[Op]]) -> None:
 def _consumers_want(value: Value, m: int, users: dict[Value, list[Op]]) -> Placement:
     found = {_need_of(user, value).placements[m] for user in users.get(value, ())
              if user.needs}
-    found.discard(None)
     if len(found) == 1 and not isinstance(next(iter(found)), Partial):
         return found.pop()
     return Replicate()
