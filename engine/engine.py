@@ -230,7 +230,9 @@ class Engine:
             collate_fn: Callable | None = None, shuffle: bool = False,
             verbose: int = 2) -> dict[str, list[float]]:
         """Train; ``history["loss"]`` holds one global-batch mean loss per batch (with
-        ``gradient_merge``, k batches make one optimizer step: ``train_step``)."""
+        ``gradient_merge``, k batches make one optimizer step: ``train_step``). With
+        ``amp.loss_scale``, ``history["loss_scale"]`` and ``history["skipped"]`` hold each
+        optimizer step's scale and whether an inf/nan gradient skipped its update."""
         if self.optimizer is None:
             raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
         history = self.history
