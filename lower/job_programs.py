@@ -58,10 +58,11 @@ class _JobBuilder:
     def build(self) -> Program:
         indices = self.rank.ops[self.job]
         ops = [self.local.ops[i] for i in indices]
-        sends = {}
+        self.waiting: dict[int, list] = {}      # by destination: sends in posting order
         for message in self.rank.sent.get(self.job, ()):
-            sends.setdefault(message.key, []).append(message)
-        self.sends = sends
+            self.waiting.setdefault(message.dst, []).append(message)
+        self.sent_keys = {m.key for queue in self.waiting.values() for m in queue}
+        self.ready: dict[str, Value] = {}
         recvs = {m.key: m for m in self.rank.received.get(self.job, ())}
         for key, _ in self.rank.carried_in.get(self.job, ()):
             self._carried(key)
@@ -151,15 +152,27 @@ class _JobBuilder:
                         role=global_op.role, module=global_op.module))
 
     def _send(self, key: str, value: Value) -> None:
-        for message in self.sends.pop(key, ()):
-            self.out.add(Op(OpKind.COMM, "comm.send", (value,), outputs=[], role=Role.COMM,
-                            attrs={COMM_TEXT: f"{message.key}{_mb(message)} to rank {message.dst} "
-                                           f"({message.dst_job})", MESSAGE: message}))
+        """Send ``value`` where the job sends it, each pair's messages in the order both
+        ranks post them (``Message.order``): a send first posts every earlier message of its
+        pair, so one whose value comes later in the job (a sum read from the store comes
+        first) waits for the earlier ones' values."""
+        if key not in self.sent_keys:
+            return
+        self.ready[key] = value
+        for queue in self.waiting.values():
+            while queue and queue[0].key in self.ready:
+                message = queue.pop(0)
+                self.out.add(Op(OpKind.COMM, "comm.send", (self.ready[message.key],),
+                                outputs=[], role=Role.COMM,
+                                attrs={COMM_TEXT: f"{message.key}{_mb(message)} to rank "
+                                                  f"{message.dst} ({message.dst_job})",
+                                       MESSAGE: message}))
 
     # -- what leaves the job ---------------------------------------------------------------
     def _finish(self) -> None:
-        if self.sends:
-            missing = ", ".join(sorted(self.sends))
+        if any(self.waiting.values()):
+            missing = ", ".join(sorted({m.key for queue in self.waiting.values()
+                                        for m in queue if m.key not in self.ready}))
             raise RuntimeError(f"pipeline job {self.job} of rank {self.rank.rank} is to send "
                                f"{missing} but never has it")
         results: list[tuple[Slot, Value]] = []

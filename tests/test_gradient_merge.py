@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 import autopar as ap
 from autopar.ir import OpKind, Role, StateKind
+from autopar.lower.pipeline_jobs import MESSAGE
 from autopar.models.gpt import lm_loss
 from autopar.passes.merge_gradients import MERGE, GradientMergeError
 from autopar.reshard.comm import FOR_ROLE
@@ -249,6 +250,22 @@ def test_loss_scaling_checks_and_updates_once_per_optimizer_step():
     assert_same_params(model, ref)
     assert history["loss_scale"] == scales == [1024.0, 2048.0]   # grown once per step
     assert history["skipped"] == [False, False]
+
+
+def test_pipeline_jobs_send_in_the_order_messages_are_posted():
+    """Real ranks post a pair's messages in one order (``Message.order``), a send after every
+    earlier message of its pair. Accumulating, stage 1's post job sends two sums from its
+    store to stage 0 (the tied embedding's term, the loss): it must send them in that order
+    (on 2 gloo ranks it sent the loss first, before the term it had not read yet)."""
+    engine, _, _ = _engine("sgd", _strategy("pp2"))
+    x, y = (torch.stack(t) for t in zip(*_data()[:B]))
+    for accumulate_only in (True, False):
+        step = engine.planner.plan("train", x, y, accumulate_only)
+        for made in step.lowered.processes.values():
+            for job in made.programs.values():
+                orders = [op.attrs[MESSAGE].order for op in job.program.ops
+                          if op.target == "comm.send"]
+                assert orders == sorted(orders), f"process {made.process} {job.job}"
 
 
 def test_gradient_merge_needs_an_optimizer():
