@@ -141,9 +141,11 @@ def test_o2_float16_with_dynamic_loss_scaling_equals_eager_gradscaler():
     assert_equal_state(model, reference)
 
 
-def test_o1_hf_llama_equals_eager_autocast_bit_for_bit():
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_hf_llama_equals_eager_bit_for_bit(level):
     """A third-party model (RMSNorm, rotary, SwiGLU, grouped-query SDPA) computing its own
-    loss: autocast's casts inside transformers' code are captured as eager makes them."""
+    loss: autocast's casts inside transformers' code are captured as eager makes them (O1);
+    O2 runs it on bf16 copies of its parameters, as eager ``functional_call`` does."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = zoo.hf_llama("sdpa", VOCAB).train()
@@ -154,13 +156,18 @@ def test_o1_hf_llama_equals_eager_autocast_bit_for_bit():
     want = []
     for x in ids.split(2):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=BF16):
-            loss = reference(input_ids=x, labels=x).loss
+        if level == "O1":
+            with torch.autocast("cpu", dtype=BF16):
+                loss = reference(input_ids=x, labels=x).loss
+        else:
+            half = {name: p.to(BF16) for name, p in reference.named_parameters()}
+            loss = torch.func.functional_call(reference, half, (),
+                                              {"input_ids": x, "labels": x}).loss.float()
         loss.backward()
         opt.step()
         want.append(loss.item())
     engine = ap.Engine(model, None, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                       strategy=amp_strategy("O1"))
+                       strategy=amp_strategy(level))
     got = engine.fit([({"input_ids": x}, x) for x in ids], batch_size=2, verbose=0)["loss"]
     assert got == want
     assert_equal_state(model, reference)
