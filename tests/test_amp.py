@@ -85,7 +85,10 @@ def amp_strategy(level: str = "O1", reduce_dtype: str = "float32", **sections) -
 
 
 def simulated(strategy: ap.Strategy) -> ap.Strategy:
-    return strategy.model_copy(update={"debug": ap.Strategy(debug={"simulate": True}).debug})
+    """On the simulator, an op without an SPMD rule an error (every cast and bf16 op has
+    one)."""
+    debug = ap.Strategy(debug={"simulate": True, "strict_rules": True}).debug
+    return strategy.model_copy(update={"debug": debug})
 
 
 def assert_equal_state(got: torch.nn.Module, want: torch.nn.Module) -> None:
