@@ -219,10 +219,11 @@ def ddp_autocast(steps: str, batch: str) -> dict:
     return {"loss": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def train_scaled(steps: str, batch: str, inf_step: str) -> dict:
-    """Dynamic loss scaling on dp2 (``tests/test_loss_scaling.py``): its MLP and Adam, batch
-    ``inf_step`` with an inf in its first sample's input (rank 0's half); each step's scale
-    and skip, whether the skipped step left this rank's state as it was, the final state."""
+def train_scaled(steps: str, batch: str, inf_step: str, layout: str = "dp") -> dict:
+    """Dynamic loss scaling on dp2 or pp2 (``layout``; ``tests/test_loss_scaling.py``): its
+    MLP and Adam, batch ``inf_step`` with an inf in its first sample's input (dp: rank 0's
+    half); each step's scale and skip, whether the skipped step left this rank's state as
+    it was, the final state."""
     from parity import regression_data
 
     from autopar.models import MLP
@@ -230,9 +231,11 @@ def train_scaled(steps: str, batch: str, inf_step: str) -> dict:
     torch.manual_seed(0)
     model = MLP(16, 31, 5, depth=2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mesh = {"dp": "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n",
+            "pp": "mesh: {shape: [2], dim_names: [pp]}\n"
+                  "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2}\n"}[layout]
     strategy = ap.Strategy.from_yaml_str(
-        "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
-        "amp: {loss_scale: dynamic, init_scale: 4.0, growth_interval: 2}\n")
+        mesh + "amp: {loss_scale: dynamic, init_scale: 4.0, growth_interval: 2}\n")
     engine = ap.Engine(model, lambda out, y: torch.nn.functional.mse_loss(out, y), optimizer,
                        strategy=strategy)
     n, k = int(batch), int(inf_step)

@@ -356,10 +356,12 @@ def test_pipeline_stages_skip_together():
                                    msg=lambda m: f"{name}: {m}")
 
 
-def test_two_real_ranks_skip_the_same_step():
-    """dp2 on two gloo processes: the inf reaches only rank 0's half of batch 3; both ranks
-    skip it, keep the same parameters, halve the scale, and end where eager does."""
-    results = run_ranks("train_scaled", 2, str(STEPS), str(BATCH), str(INF_STEP))
+@pytest.mark.parametrize("layout", ["dp", "pp"])
+def test_two_real_ranks_skip_the_same_step(layout):
+    """dp2 or pp2 1F1B on two gloo processes: the inf of batch 3 reaches only rank 0's half
+    of the batch (dp) or the first stage's input (pp); both ranks skip the step, keep their
+    state, halve the scale, and end where eager does."""
+    results = run_ranks("train_scaled", 2, str(STEPS), str(BATCH), str(INF_STEP), layout)
     model = _mlp()
     want = _eager(model, torch.optim.Adam(model.parameters(), lr=1e-2), _data(),
                   torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2))
