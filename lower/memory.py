@@ -32,9 +32,13 @@ from .executable import Lowered, PipelineProcess, RankProgram
 from .pipeline_jobs import STEP
 
 __all__ = ["Holder", "MemoryEstimate", "estimate_memory", "estimate_process",
-           "MemoryLimitError", "check_memory_limit", "format_estimates"]
+           "MemoryLimitError", "check_memory_limit", "format_estimates", "STATE_CATEGORIES"]
 
 _GIB = 1024 ** 3
+# the category of each kind of state (any other: buffers); a gradient-merge accumulator is
+# gradient memory held across steps, as eager's ``.grad``
+STATE_CATEGORIES = {StateKind.PARAM: "params", StateKind.OPTIM: "optimizer_state",
+                    StateKind.GRAD_MERGE: "grads"}
 
 
 class MemoryLimitError(RuntimeError):
@@ -57,7 +61,7 @@ class MemoryEstimate:
 
     process: int
     params: int = 0
-    grads: int = 0
+    grads: int = 0                   # gradients the updates read, and merge accumulators
     optimizer_state: int = 0
     buffers: int = 0                 # module buffers and constants
     activations: int = 0             # peak of live values that are neither state nor grads
@@ -252,10 +256,9 @@ def _liveness(program: Program, extra: int = 0, carried: frozenset[str] = frozen
 
 
 def _categorize(est: MemoryEstimate, program: Program, live: _Liveness) -> None:
-    kinds = {StateKind.PARAM: "params", StateKind.OPTIM: "optimizer_state"}
     for op in program.ops_of(OpKind.STATE):
         if op.result.is_tensor:
-            cat = kinds.get(op.attrs.get(STATE), "buffers")
+            cat = STATE_CATEGORIES.get(op.attrs.get(STATE), "buffers")
             setattr(est, cat, getattr(est, cat) + value_bytes(op.result))
 
 
@@ -281,7 +284,7 @@ def estimate_process(made: RankProgram | PipelineProcess) -> MemoryEstimate:
     est = MemoryEstimate(made.process)
     live = _liveness(made.program)
     _categorize(est, made.program, live)
-    est.grads = sum(value_bytes(g) for g in _grads(made.program))
+    est.grads += sum(value_bytes(g) for g in _grads(made.program))
     est.activations, est.comm_buffers = live.activations_peak, live.comm_peak
     est.peak = sum(live.state.values()) + live.peak_live
     est.holders = _holders(made.program, live)
@@ -313,9 +316,8 @@ def _pipeline_estimate(made: PipelineProcess) -> MemoryEstimate:
         est.comm_buffers = max(est.comm_buffers, live.comm_peak)
         est.activations = max(est.activations, live.activations_peak + held)
         _absorb(rank, job, program, carried, values, terms)
-    kinds = {StateKind.PARAM: "params", StateKind.OPTIM: "optimizer_state"}
     for kind, size in states.values():
-        cat = kinds.get(kind, "buffers")
+        cat = STATE_CATEGORIES.get(kind, "buffers")
         setattr(est, cat, getattr(est, cat) + size)
     est.peak = sum(size for _, size in states.values()) + best
     if best_job is not None:

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..ir import OpKind, Program, Slot, Value
 from ..ir.attrs import MULTI, NAME, STATE, StateKind
 from ..lower.executable import Lowered, PipelineProcess
+from ..lower.memory import STATE_CATEGORIES
 from ..pipeline.phases import Phase
 from .codegen import _last_uses as last_uses  # where generated code frees values
 from .collectives import bind
@@ -143,12 +144,11 @@ class _Process:
 
     def held(self) -> dict[str, int]:
         """Bytes of the state pieces by kind (params, optimizer_state, buffers) and of the
-        gradients the update ops read (grads)."""
-        kinds = {StateKind.PARAM: "params", StateKind.OPTIM: "optimizer_state"}
+        gradients the update ops read with any gradient-merge accumulators (grads)."""
         out = {"params": 0, "grads": 0, "optimizer_state": 0, "buffers": 0}
         for key, spans in self.state_spans.items():
-            out[kinds.get(self.state_kinds.get(key), "buffers")] += _union(spans)
-        out["grads"] = sum(self.grads.values())
+            out[STATE_CATEGORIES.get(self.state_kinds.get(key), "buffers")] += _union(spans)
+        out["grads"] += sum(self.grads.values())
         return out
 
 

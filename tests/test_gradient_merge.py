@@ -268,6 +268,23 @@ def test_pipeline_jobs_send_in_the_order_messages_are_posted():
                 assert orders == sorted(orders), f"process {made.process} {job.job}"
 
 
+def test_cost_counts_the_accumulators_as_gradient_memory():
+    """``engine.cost``: an accumulator per parameter, held across steps like eager's
+    ``.grad``, is gradient memory (not a buffer) and part of the peak."""
+    x, y = (torch.stack(t) for t in zip(*_data()[:B]))
+
+    def cost(strategy: ap.Strategy) -> dict:
+        return _engine("sgd", strategy)[0].cost(x, y)
+
+    plain = cost(ap.Strategy.from_yaml_str(STRATEGIES["dp2"] + "debug: {simulate: true}\n"))
+    merged = cost(_strategy("dp2"))
+    for rank in (0, 1):
+        without, with_merge = plain[rank], merged[rank]
+        assert with_merge.grads == without.grads + without.params > without.grads
+        assert with_merge.buffers == without.buffers
+        assert with_merge.peak >= without.peak + without.params
+
+
 def test_gradient_merge_needs_an_optimizer():
     model = parity_gpt("sgd", vocab=VOCAB, seq=SEQ)
     with pytest.raises(ValueError, match="gradient_merge.*no optimizer"):
