@@ -4,7 +4,8 @@ against eager ``torch.amp.GradScaler`` on the same data.
 On an fp32 model the scaled step is GradScaler's to the bit: the backward seeded with the
 scale, the gradients unscaled by the float of the double reciprocal, a step with an inf or
 nan gradient skipped (parameters and optimizer state, Adam's step count too, unchanged) and
-the scale backed off, ``growth_interval`` clean steps growing it. Serial runs equal eager
+the scale backed off, ``growth_interval`` clean steps growing it, the LR scheduler stepped
+after every step, skipped or not (as eager code steps it). Serial runs equal eager
 exactly; data parallel runs (simulator, two real gloo ranks) sum gradients in another order,
 so their losses and parameters are within the parity tolerance while the scale history and
 the skipped steps are eager's exactly. The found-inf flag costs at most one scalar
@@ -14,6 +15,7 @@ rank the same sums), one under dp x tp and ZeRO-2 (sharded gradients check their
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,12 +102,19 @@ def _o2(model, x, y):
     return _mse(out, y.to(torch.float16))
 
 
+def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """An LR that moves every step: a skipped step steps it too (eager code calls
+    ``scheduler.step()`` after ``scaler.step``, whether or not that stepped the optimizer)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+
+
 def _eager(model, optimizer, data, scaler: torch.amp.GradScaler, fixed: float | None = None,
            forward=_fp32) -> dict:
     """The GradScaler loop: each step's loss, scale, whether it skipped, and a snapshot of
     the parameters and optimizer state after it. ``fixed``: the scale kept constant;
     ``forward``: how the loss is computed (fp32, or eager O1 / O2)."""
     out = {"loss": [], "loss_scale": [], "skipped": [], "after": []}
+    scheduler = _warmup(optimizer)
     for x, y in DataLoader(data, batch_size=BATCH):
         optimizer.zero_grad()
         loss = forward(model, x, y)
@@ -115,13 +124,17 @@ def _eager(model, optimizer, data, scaler: torch.amp.GradScaler, fixed: float | 
         found = scaler._found_inf_per_device(optimizer).values()
         out["skipped"].append(bool(sum(v.item() for v in found)))
         scaler.update(fixed)
+        with warnings.catch_warnings():   # "lr_scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
         out["loss"].append(loss.item())
         out["after"].append(_snapshot(model, optimizer))
     return out
 
 
-def _ours(model, optimizer, data, strategy: ap.Strategy) -> dict:
-    engine = ap.Engine(model, _mse, optimizer, strategy=strategy)
+def _ours(model, optimizer, data, strategy: ap.Strategy, scheduled: bool = True) -> dict:
+    engine = ap.Engine(model, _mse, optimizer, strategy=strategy,
+                       lr_scheduler=_warmup(optimizer) if scheduled else None)
     losses, after = [], []
     for x, y in DataLoader(data, batch_size=BATCH):
         losses.append(engine.train_step(x, y))
@@ -235,7 +248,7 @@ def test_gradient_merge_sums_scaled_gradients_and_checks_the_sum():
     strategy = _strategy("loss_scale: dynamic, init_scale: 4.0, growth_interval: 2",
                          "gradient_merge: {k_steps: 2, avg: false}\n")
     got = _ours(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), data,
-                strategy)
+                strategy, scheduled=False)
     optimizer = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2)
     scales, skipped = [], []
