@@ -187,9 +187,13 @@ def _apply(program: Program, name: str, g: Value, total: Value, users: dict[Valu
         merged = scale.result
     for reader in users.get(g, ()):
         reader.map_inputs(lambda v: merged if v is g else v)
-    reset = Op(OpKind.CALL, "aten.zeros_like.default", (total,), outputs=[Value(g.type)],
+    # made from the accumulator (alive all step anyway) at the step's end, so neither the
+    # sum nor the zeros outlive their use; in a pipeline on the accumulator's stage
+    acc = add.args[0]
+    stage = {STAGE: add.attrs[STAGE]} if STAGE in add.attrs else {}
+    reset = Op(OpKind.CALL, "aten.zeros_like.default", (acc,), outputs=[Value(g.type)],
                role=add.role, module=add.module, forward_op=add.forward_op,
-               attrs={MERGE: f"reset {name}"})
+               attrs={MERGE: f"reset {name}", **stage})
     _place(reset, total.dist, f"gradient merge: {name}'s accumulator starts again")
     program.add(reset)
     _set_results(program, program.results() + [(Slot("update", accumulator_name(name)),
