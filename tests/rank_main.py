@@ -187,25 +187,41 @@ def train_merge(steps: str) -> dict:
     return {"loss": losses, "reduced": reduced, "state": engine.state_dict()}
 
 
-def ddp_autocast(steps: str, batch: str) -> dict:
-    """torch's own data parallelism under O1, the reference ``tests/test_amp.py`` measures
-    autopar's dp2 O1 against: the AdamW GPT of ``parity_gpt`` in ``DistributedDataParallel``
-    (gloo), each rank on its contiguous half of every global batch (as the engine splits
-    it), forward and loss under ``torch.autocast("cpu", torch.bfloat16)``."""
+def amp_ranks(steps: str, batch: str, o2_steps: str) -> dict:
+    """Mixed precision on 2 real gloo ranks (``tests/test_amp.py``): torch's own DDP under
+    O1, the reference autopar's dp2 O1 is measured against, then autopar's O2 with ZeRO-3
+    and bf16 gradient reduce-scatters (bf16 collectives on gloo)."""
+    from autopar.models.gpt import lm_loss
+    torch.set_num_threads(1)
+    ddp = _ddp_autocast(int(steps), int(batch))
+    model = parity_gpt("adamw")
+    strategy = ap.Strategy.from_yaml(ROOT / "configs" / "dp_zero3.yaml").model_copy(update={
+        "amp": ap.Strategy(amp={"enable": True, "level": "O2",
+                                "reduce_dtype": "bfloat16"}).amp})
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=strategy)
+    history = engine.fit(lm_data(int(o2_steps) * int(batch), 16, 64), batch_size=int(batch),
+                         verbose=0)
+    return {"ddp": ddp, "o2": {"loss": history["loss"], "state": engine.state_dict()}}
+
+
+def _ddp_autocast(steps: int, batch: int) -> dict:
+    """The AdamW GPT of ``parity_gpt`` in ``DistributedDataParallel`` (gloo), each rank on
+    its contiguous half of every global batch (as the engine splits it), forward and loss
+    under ``torch.autocast("cpu", torch.bfloat16)``."""
     from torch.nn.parallel import DistributedDataParallel
 
     from autopar.models.gpt import lm_loss
-    torch.set_num_threads(1)
     dist = torch.distributed
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = parity_gpt("adamw")
     optimizer, scheduler = gpt_optimizer("adamw", model)
     ddp = DistributedDataParallel(model)
-    data, rows = lm_data(int(steps) * int(batch), 16, 64), int(batch) // world
+    data, rows = lm_data(steps * batch, 16, 64), batch // world
     losses = []
-    for step in range(int(steps)):
-        mine = data[step * int(batch) + rank * rows:step * int(batch) + (rank + 1) * rows]
+    for step in range(steps):
+        mine = data[step * batch + rank * rows:step * batch + (rank + 1) * rows]
         x, y = (torch.stack(t) for t in zip(*mine))
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -258,7 +274,7 @@ SCENARIOS = {"train_scaled": train_scaled,
              "train_gpt": train_gpt, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
-             "train_merge": train_merge, "ddp_autocast": ddp_autocast}
+             "train_merge": train_merge, "amp_ranks": amp_ranks}
 
 
 def main() -> None:

@@ -217,10 +217,15 @@ def serial_o1() -> tuple[list[float], dict]:
 
 
 @functools.cache
+def real_ranks() -> list[dict]:
+    """One launch of 2 real gloo ranks (``tests/rank_main.py`` amp_ranks): torch DDP +
+    autocast for DP_STEPS, then autopar O2 ZeRO-3 with bf16 reductions for STEPS."""
+    return run_ranks("amp_ranks", 2, str(DP_STEPS), str(BATCH), str(STEPS), timeout=300)
+
+
 def torch_ddp_o1() -> tuple[list[float], dict]:
-    """torch DDP + autocast on 2 real gloo ranks, the same model and data
-    (``tests/rank_main.py`` ddp_autocast)."""
-    results = run_ranks("ddp_autocast", 2, str(DP_STEPS), str(BATCH), timeout=300)
+    """torch DDP + autocast on 2 real gloo ranks, the same model and data."""
+    results = [r["ddp"] for r in real_ranks()]
     assert results[0]["loss"] == results[1]["loss"]
     return results[0]["loss"], results[0]["state"]
 
@@ -387,6 +392,21 @@ def test_o2_dp2_reduces_gradients_in_reduce_dtype(config, reduce_dtype, tmp_path
     want = dp2_eager_o2(reference, data, STEPS, dtype)
     assert got == want
     assert_equal_state(model, reference)
+
+
+def test_o2_zero3_bf16_reductions_on_real_ranks_equal_eager():
+    """The same O2 ZeRO-3 plan with bf16 reduce-scatters and gathers on 2 real gloo ranks:
+    every rank's losses and gathered state equal the eager two-rank sum in bf16, bit for
+    bit (gloo sums the two bf16 terms as the simulator does)."""
+    reference = parity_gpt("adamw", vocab=VOCAB, seq=SEQ)
+    want = dp2_eager_o2(reference, lm_data(STEPS * BATCH, SEQ, VOCAB), STEPS, BF16)
+    for rank, result in enumerate(real_ranks()):
+        assert result["o2"]["loss"] == want, f"rank {rank}"
+        state = result["o2"]["state"]
+        for name, value in reference.state_dict().items():
+            if name in state:      # the tied head is the embedding, under one name
+                assert torch.equal(state[name], value), f"rank {rank} {name}"
+        assert {"wte.weight", "blocks.0.fc1.weight"} <= state.keys()
 
 
 # --------------------------------------------------------------------------------------
