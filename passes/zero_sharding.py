@@ -20,10 +20,12 @@ copy would live from forward to backward; ``regather_for_backward`` gives the ba
 own gather, ``prefetch_gathers`` issues each layer's gathers one layer ahead, and
 ``scatter_gradients_early`` reduce-scatters each gradient as soon as it is made.
 
-Under amp a parameter the model reads only through a cast to the half dtype (O2's
-top-of-step cast, O1's autocast cast of a weight) is gathered as that half copy: the cast
-runs on each rank's piece right after the parameter, and the pin goes on the copy, so stage
-3 gathers half the bytes (FSDP2's ``param_dtype``) and the same values.
+Under amp O2 a parameter the model reads only through its cast to the half dtype (the
+top-of-step cast) is gathered as that half copy: the cast runs on each rank's piece right
+after the parameter, and the pin goes on the copy, so stage 3 gathers half the bytes
+(FSDP2's ``param_dtype``) and the same values. O1 keeps gathering fp32 parameters, as
+FSDP2 under autocast does: autocast casts a weight where it is used, and a layer's fp32
+norm parameters would otherwise travel in a unit of their own (a unit is of one dtype).
 
 Uneven first dims are allowed (``torch.chunk`` pieces); a state that already shards dim 0 on
 another mesh dim (tensor parallelism) is cut further, nested as in DTensor.
@@ -77,20 +79,22 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
             _shard_gradient(program, update, sharded[update.args[0]], axis)
     if sharding.stage >= 3:
         users = program.users()
+        amp = ctx.strategy.amp
+        half_params = amp.is_enabled and amp.level == "O2"
         for name, param in params.items():
             _pin_shard0(param, param, mesh, axis, sharding.stage, f"parameter {name!r}")
             if param.dist is not None and param.dist.placements[axis].is_shard():
-                read = _read_copy(program, param, users)
+                read = _read_copy(program, param, users) if half_params else param
                 _gather_for_uses(program, name, param, read, axis, users)
     return program
 
 
 def _read_copy(program: Program, param: Value, users: dict[Value, list[Op]]) -> Value:
-    """What the model reads of ``param``: under amp, the half-dtype copy when a cast is the
-    parameter's only forward or backward reader (O2's top-of-step cast, O1's autocast cast
-    of a weight), hoisted to right after the parameter so every gather of it can start as
-    early as a gather of the parameter could; else the parameter. Stage 3 gathers that copy,
-    cast on each rank's piece: half the bytes (FSDP2's ``param_dtype``), the same values."""
+    """What the model reads of ``param`` under amp O2: the half-dtype copy when a cast is
+    the parameter's only forward or backward reader, hoisted to right after the parameter
+    so every gather of it can start as early as a gather of the parameter could; else the
+    parameter. Stage 3 gathers that copy, cast on each rank's piece: half the bytes
+    (FSDP2's ``param_dtype``), the same values."""
     copy = half_copy(param, users)
     if copy is None:
         return param
