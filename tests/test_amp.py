@@ -189,6 +189,25 @@ def test_o1_eval_and_predict_run_under_autocast():
     assert predicted.dtype == BF16 and torch.equal(predicted, logits)
 
 
+def test_o1_casts_report_says_where_the_casts_went(tmp_path):
+    """``NN_gradient_reduce_dtype.amp.txt``: per module, the casts to and from bf16 in each
+    role: a linear's weight, bias and input cast to bf16 and their gradients back;
+    layer norms none (autocast runs them in fp32); the loss's logits back to fp32."""
+    model = parity_gpt("adamw", vocab=VOCAB, seq=SEQ)
+    strategy = amp_strategy("O1", debug={"dump_dir": str(tmp_path)})
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=strategy)
+    x, y = (torch.stack(t) for t in zip(*lm_data(BATCH, SEQ, VOCAB)))
+    engine.prepare(x, y)
+    report = next(tmp_path.glob("rank0/*_gradient_reduce_dtype.amp.txt")).read_text()
+    lines = {line.split()[0]: line for line in report.splitlines()[3:] if line.strip()}
+    assert lines["blocks.0.fc1"].split(None, 1)[1] == "bwd bf16->f32: 3, fwd f32->bf16: 3"
+    assert lines["blocks.0.attn.qkv"].split(None, 1)[1] == \
+        "bwd bf16->f32: 2, fwd f32->bf16: 2"        # no bias
+    assert "loss bf16->f32: 1" in lines["<loss>"]
+    assert "blocks.0.ln1" not in lines and "amp O1 bfloat16" in report
+
+
 # --------------------------------------------------------------------------------------
 # across ranks: torch DDP + autocast is the measure
 # --------------------------------------------------------------------------------------
