@@ -14,10 +14,11 @@ DP_TP = ("mesh: {shape: [2, 2], dim_names: [dp, tp]}\ndata_parallel: {axis: dp}\
          "tensor_parallel: {axis: tp, plan: {fc1: colwise, fc2: rowwise}}\n")
 
 
-def _engine(extra: str = "") -> ap.Engine:
+def _engine(extra: str = "", sections: str = "") -> ap.Engine:
     torch.manual_seed(0)
     model = MegatronMLP()
-    strategy = ap.Strategy.from_yaml_str(DP_TP + "debug: {simulate: true" + extra + "}\n")
+    strategy = ap.Strategy.from_yaml_str(DP_TP + sections
+                                         + "debug: {simulate: true" + extra + "}\n")
     return ap.Engine(model, mse, torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
 
 
@@ -69,6 +70,24 @@ def test_a_planted_bug_is_located_at_its_op(wrong_mean):
     assert found.max_rel == pytest.approx(3.0)          # each term 4x: a quarter's count
     assert str(found).startswith(f"first divergence from one device: {found.op} = "
                                  "aten.mse_loss (<loss>, loss)")
+
+
+AMP = {"O1": "amp: {enable: true, dtype: bfloat16, level: O1}\n",
+       "O2": "amp: {enable: true, dtype: bfloat16, level: O2}\n",
+       "O2 bf16 reduce": "amp: {enable: true, dtype: bfloat16, level: O2, "
+                         "reduce_dtype: bfloat16}\n"}
+
+
+@pytest.mark.parametrize("amp", AMP)
+def test_amp_plans_are_judged_at_their_precision(amp):
+    """bf16 partial sums round differently from one device's whole sums: ops that read or
+    make bf16 are compared at bf16's scale, each on the values the ranks gave it."""
+    assert _engine(sections=AMP[amp]).locate_divergence(*_batch()) is None
+
+
+def test_a_planted_bug_is_located_under_amp(wrong_mean):
+    found = _engine(sections=AMP["O1"]).locate_divergence(*_batch())
+    assert found is not None and found.target == "aten.mse_loss"
 
 
 def test_the_debug_flag_checks_a_plan_s_first_step_before_it_runs(wrong_mean):
