@@ -252,8 +252,10 @@ def train_scaled(steps: str, batch: str, inf_step: str, layout: str = "dp") -> d
                   "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2}\n"}[layout]
     strategy = ap.Strategy.from_yaml_str(
         mesh + "amp: {loss_scale: dynamic, init_scale: 4.0, growth_interval: 2}\n")
+    # the warmup of tests/test_loss_scaling.py's eager loop (a skipped step steps it too)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     engine = ap.Engine(model, lambda out, y: torch.nn.functional.mse_loss(out, y), optimizer,
-                       strategy=strategy)
+                       strategy=strategy, lr_scheduler=warmup)
     n, k = int(batch), int(inf_step)
     data = regression_data(int(steps) * n, 16, 5)
     x, y = data[k * n]
