@@ -5,8 +5,10 @@
     model_state   the model and optimizer as named state: starting values, write-back
     launch        how this process was started (torchrun's rank, offline planning)
     offline       ``python -m autopar plan script.py``: plan an unmodified script
-    data, logging batches from datasets; the progress bar
+    callbacks     hooks around fit / evaluate / predict: progress bar, early stopping, ...
+    data, logging batches from datasets; the progress display
 """
+from . import callbacks
 from .engine import Engine
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "callbacks"]

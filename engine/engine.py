@@ -29,9 +29,9 @@ from ..pipeline.timeline import chrome_trace
 from ..runtime.divergence import Divergence, locate_divergence
 from ..runtime.runtimes import DistributedRuntime, LocalRuntime
 from ..strategy import Strategy
+from .callbacks import Callback, CallbackList, LRMonitor, ProgressBar
 from .data import batch_size_of, batches
 from .launch import Launch
-from .logging import ProgressLog
 from .model_state import ModelState
 from .offline import finish_offline_plan
 from .planner import PlannedStep, Planner
@@ -94,6 +94,7 @@ class Engine:
         self.global_step = 0      # optimizer steps (gradient merge: one per k_steps batches)
         self.batches_trained = 0  # training batches run; batch i draws seed + i
         self.history: dict[str, list[float]] = {}
+        self.stop_training = False   # a callback sets it; fit checks it after each batch
         self.closed = False
 
     # -- planning -----------------------------------------------------------------------
@@ -204,9 +205,15 @@ class Engine:
         if applies:
             self.global_step += 1
             self.optimizer._opt_called = True   # tells LR schedulers the optimizer stepped
-            if self.lr_scheduler is not None:
+            if self.lr_scheduler is not None and not self._on_plateau:
                 self.lr_scheduler.step()
         return float(results[Slot("loss")])
+
+    @property
+    def _on_plateau(self) -> bool:
+        """A ReduceLROnPlateau scheduler steps once per epoch on its metric (``fit``), as
+        Keras and Paddle step it, not once per optimizer step."""
+        return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def _record_loss_scaling(self, results: dict[Slot, Any]) -> None:
         """Loss scaling: the scale this step's gradients were scaled by, and whether an inf
@@ -228,41 +235,68 @@ class Engine:
             steps_per_epoch: int | None = None, log_freq: int = 10, valid_data=None,
             valid_freq: int = 1, valid_steps: int | None = None,
             collate_fn: Callable | None = None, shuffle: bool = False,
-            verbose: int = 2) -> dict[str, list[float]]:
+            verbose: int = 2, callbacks: Iterable[Callback] | None = None
+            ) -> dict[str, list[float]]:
         """Train; ``history["loss"]`` holds one global-batch mean loss per batch (with
-        ``gradient_merge``, k batches make one optimizer step: ``train_step``). With
-        ``amp.loss_scale``, ``history["loss_scale"]`` and ``history["skipped"]`` hold each
-        optimizer step's scale and whether an inf/nan gradient skipped its update."""
+        ``gradient_merge``, k batches make one optimizer step: ``train_step``) and
+        ``history["lr"]`` each batch's learning rate. With ``amp.loss_scale``,
+        ``history["loss_scale"]`` and ``history["skipped"]`` hold each optimizer step's
+        scale and whether an inf/nan gradient skipped its update. ``callbacks``
+        (``engine.callbacks``) run around each batch and epoch; one that sets
+        ``engine.stop_training`` ends training after the current batch. A
+        ``ReduceLROnPlateau`` scheduler steps after each epoch on its ``val_loss`` (its mean
+        training loss when there is no ``valid_data``)."""
         if self.optimizer is None:
             raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
-        history = self.history
-        total = _steps_in(train_data, batch_size, steps_per_epoch)
+        hooks = CallbackList(callbacks, self, before=[LRMonitor()],
+                             after=_progress(verbose, log_freq))
+        hooks.set_params({"epochs": epochs, "verbose": verbose, "log_freq": log_freq,
+                          "steps": _steps_in(train_data, batch_size, steps_per_epoch)})
+        self.stop_training = False
+        hooks.call("on_train_begin", {})
         for epoch in range(epochs):
-            log = ProgressLog(verbose, log_freq, total, f"epoch {epoch + 1}/{epochs}",
-                              enabled=self.is_logging_rank)
+            hooks.call("on_epoch_begin", epoch, {})
             data = batches(train_data, batch_size, collate_fn, shuffle, self.strategy.seed + epoch)
-            for step, (inputs, labels) in enumerate(data, start=1):
-                if steps_per_epoch is not None and step > steps_per_epoch:
-                    break
-                lr = self.optimizer.param_groups[0]["lr"]
-                loss = self.train_step(inputs, labels)
-                history.setdefault("loss", []).append(loss)
-                history.setdefault("lr", []).append(lr)
-                log.step(step, {"loss": loss, "lr": lr})
-            log.close()
+            logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks)}
             if valid_data is not None and (epoch + 1) % valid_freq == 0:
-                scores = self.evaluate(valid_data, batch_size, valid_steps, collate_fn=collate_fn,
-                                       verbose=0)
+                scores = self._evaluate(valid_data, batch_size, valid_steps, collate_fn, hooks)
                 for k, v in scores.items():
-                    history.setdefault(f"val_{k}", []).append(v)
-                if self.is_logging_rank and verbose:
-                    print("validation " + " ".join(f"{k}: {v:.4f}" for k, v in scores.items()))
+                    self.history.setdefault(f"val_{k}", []).append(v)
+                    logs[f"val_{k}"] = v
+            self._step_on_plateau(logs, valid_data is not None)
+            hooks.call("on_epoch_end", epoch, logs)
+            if self.stop_training:
+                break
+        hooks.call("on_train_end", {})
         self._warn_mid_cycle()
         if not (self.distributed and self.state.deferred is not None):
             self.sync_model()     # a meta model's pieces stay pieces: state_dict() gathers
         if self.strategy.debug.trace:
             self._write_trace()
-        return history
+        return self.history
+
+    def _train_epoch(self, data, steps: int | None, hooks: CallbackList) -> float:
+        """One epoch's batches (fewer when a callback stops training); their mean loss."""
+        losses = []
+        for step, (inputs, labels) in enumerate(data, start=1):
+            if steps is not None and step > steps:
+                break
+            hooks.call("on_step_begin", step, {})
+            losses.append(self.train_step(inputs, labels))
+            self.history.setdefault("loss", []).append(losses[-1])
+            hooks.call("on_step_end", step, {"loss": losses[-1]})
+            if self.stop_training:
+                break
+        return sum(losses) / max(len(losses), 1)
+
+    def _step_on_plateau(self, logs: dict[str, float], validates: bool) -> None:
+        """ReduceLROnPlateau: one step per epoch on the validation loss, on epochs that
+        validated (the training loss when there is no validation data)."""
+        if not self._on_plateau:
+            return
+        metric = logs.get("val_loss") if validates else logs["loss"]
+        if metric is not None:
+            self.lr_scheduler.step(metric)
 
     def _warn_mid_cycle(self) -> None:
         """Gradient merge: batches of an unfinished cycle are in no parameter yet (the next
@@ -276,11 +310,18 @@ class Engine:
 
     def evaluate(self, valid_data, batch_size: int = 1, steps: int | None = None,
                  log_freq: int = 10, collate_fn: Callable | None = None,
-                 verbose: int = 0) -> dict[str, float]:
+                 verbose: int = 0, callbacks: Iterable[Callback] | None = None
+                 ) -> dict[str, float]:
         """Mean loss and metrics over the data, weighted by batch size (eval mode)."""
+        hooks = CallbackList(callbacks, self, after=_progress(verbose, log_freq))
+        hooks.set_params({"steps": steps, "verbose": verbose, "log_freq": log_freq})
+        return self._evaluate(valid_data, batch_size, steps, collate_fn, hooks)
+
+    def _evaluate(self, valid_data, batch_size: int, steps: int | None,
+                  collate_fn: Callable | None, hooks: CallbackList) -> dict[str, float]:
         totals: dict[str, float] = {}
         count = 0
-        log = ProgressLog(verbose, log_freq, steps, "evaluate", enabled=self.is_logging_rank)
+        hooks.call("on_eval_begin", {})
         for step, (inputs, labels) in enumerate(batches(valid_data, batch_size, collate_fn), 1):
             if steps is not None and step > steps:
                 break
@@ -291,18 +332,25 @@ class Engine:
             for k, v in scores.items():
                 totals[k] = totals.get(k, 0.0) + v * n
             count += n
-            log.step(step, scores)
-        log.close()
-        return {k: v / max(count, 1) for k, v in totals.items()}
+            hooks.call("on_eval_step_end", step, scores)
+        scores = {k: v / max(count, 1) for k, v in totals.items()}
+        hooks.call("on_eval_end", dict(scores))
+        return scores
 
     def predict(self, test_data, batch_size: int = 1, steps: int | None = None,
-                collate_fn: Callable | None = None, verbose: int = 0) -> list[Any]:
-        """The model's outputs for each batch, as full tensors in the model's own structure."""
+                collate_fn: Callable | None = None, verbose: int = 0,
+                callbacks: Iterable[Callback] | None = None) -> list[Any]:
+        """The model's outputs for each batch, as full tensors in the model's own structure.
+        ``callbacks`` get ``on_predict_begin`` and ``on_predict_end`` (its logs: ``steps``)."""
+        hooks = CallbackList(callbacks, self)
+        hooks.set_params({"steps": steps, "verbose": verbose})
+        hooks.call("on_predict_begin", {})
         outputs = []
         for step, (inputs, labels) in enumerate(batches(test_data, batch_size, collate_fn), 1):
             if steps is not None and step > steps:
                 break
             outputs.append(self._forward("predict", inputs, None)[1])
+        hooks.call("on_predict_end", {"steps": len(outputs)})
         return outputs
 
     # -- state --------------------------------------------------------------------------
@@ -384,6 +432,11 @@ def _device(model: torch.nn.Module) -> torch.device:
     if first is None or first.is_meta:
         return torch.device("cpu")
     return first.device
+
+
+def _progress(verbose: int, log_freq: int) -> list[Callback]:
+    """The default progress display (none when silent)."""
+    return [ProgressBar(verbose, log_freq)] if verbose else []
 
 
 def _steps_in(data, batch_size: int, limit: int | None) -> int | None:
