@@ -272,11 +272,39 @@ def train_scaled(steps: str, batch: str, inf_step: str, layout: str = "dp") -> d
             "unchanged": unchanged, "state": after[-1]}
 
 
+def train_callbacks(out_dir: str, epochs: str) -> dict:
+    """The MLP of ``tests/test_callbacks.py`` on ``configs/dp.yaml`` with EarlyStopping, a
+    CSVLogger writing ``out_dir/log_rank<RANK>.csv`` and the progress display: where this
+    rank stopped, its validation losses and what it printed."""
+    import contextlib
+    import io
+
+    from parity import regression_data
+
+    from autopar.engine.callbacks import CSVLogger, EarlyStopping
+    from autopar.models import MLP
+    torch.manual_seed(0)
+    model = MLP(16, 32, 8)
+    engine = ap.Engine(model, torch.nn.functional.mse_loss,
+                       torch.optim.SGD(model.parameters(), lr=0.05),
+                       strategy=ap.Strategy.from_yaml(ROOT / "configs" / "dp.yaml"))
+    stop = EarlyStopping(patience=2)
+    csv_path = Path(out_dir) / f"log_rank{os.environ['RANK']}.csv"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        history = engine.fit(regression_data(8, 16, 8), batch_size=4, epochs=int(epochs),
+                             valid_data=regression_data(8, 16, 8, seed=1), log_freq=1,
+                             callbacks=[stop, CSVLogger(csv_path)])
+    return {"stopped_epoch": stop.stopped_epoch, "val_loss": history["val_loss"],
+            "printed": printed.getvalue()}
+
+
 SCENARIOS = {"train_scaled": train_scaled,
              "train_gpt": train_gpt, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
-             "train_merge": train_merge, "amp_ranks": amp_ranks}
+             "train_merge": train_merge, "amp_ranks": amp_ranks,
+             "train_callbacks": train_callbacks}
 
 
 def main() -> None:

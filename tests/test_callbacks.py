@@ -23,6 +23,7 @@ from autopar.engine.callbacks import (
 )
 from autopar.models import MLP
 
+from .multiproc import run_ranks
 from .parity import (
     assert_same_losses,
     assert_same_params,
@@ -316,6 +317,22 @@ def test_callbacks_run_alike_on_the_simulated_dp2_mesh():
                   for stop, kw in zip(stops, ({}, {"strategy": strategy})))
     assert stops[0].stopped_epoch == stops[1].stopped_epoch is not None
     assert_same_losses(dp["val_loss"], serial["val_loss"])
+
+
+def test_on_two_real_ranks_every_rank_stops_alike_and_rank0_alone_writes(tmp_path):
+    model = _model()
+    stop = EarlyStopping(patience=2)
+    serial = _engine(model).fit(TRAIN, batch_size=4, epochs=12, valid_data=VALID, verbose=0,
+                                callbacks=[stop])
+    ranks = run_ranks("train_callbacks", 2, str(tmp_path), "12")
+    assert [r["stopped_epoch"] for r in ranks] == [stop.stopped_epoch] * 2
+    for r in ranks:
+        assert_same_losses(r["val_loss"], serial["val_loss"])
+    assert [f.name for f in tmp_path.glob("*.csv")] == ["log_rank0.csv"]
+    with open(tmp_path / "log_rank0.csv") as f:
+        assert len(list(csv.DictReader(f))) == stop.stopped_epoch + 1
+    assert ranks[0]["printed"].count("validation loss:") == stop.stopped_epoch + 1
+    assert ranks[1]["printed"] == ""
 
 
 def test_tensorboard_without_the_package_names_it(monkeypatch):
