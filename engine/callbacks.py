@@ -187,8 +187,9 @@ class EarlyStopping(Callback):
 
 class CSVLogger(Callback):
     """The logs as CSV, one row per epoch (``per="epoch"``) or per training batch
-    (``per="step"``); columns in the order they first appear. The logging rank writes; the
-    file is rewritten at each epoch's end, so it is complete after every epoch."""
+    (``per="step"``); columns in the order they first appear (an epoch without validation
+    leaves its ``val_*`` cells empty). The logging rank writes; the file is rewritten at each
+    epoch's end, so it is complete after every epoch (a later ``fit`` starts it anew)."""
 
     def __init__(self, path: str | Path, per: str = "epoch"):
         if per not in ("epoch", "step"):

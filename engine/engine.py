@@ -187,7 +187,8 @@ class Engine:
     def train_step(self, inputs: Any, labels: Any = None) -> float:
         """Train on one batch; returns its loss. With ``gradient_merge`` the batch's
         gradients are accumulated, and every ``k_steps``-th batch also runs the optimizer
-        (and then the LR scheduler) on their sum (their mean, ``avg``). The cycle counts
+        (and then the LR scheduler, unless it is a ``ReduceLROnPlateau``: ``fit`` steps that
+        once per epoch on its metric) on their sum (their mean, ``avg``). The cycle counts
         batches across epochs and ``fit`` calls."""
         k = self.strategy.gradient_merge.k_steps
         applies = (self.batches_trained + 1) % k == 0

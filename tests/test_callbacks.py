@@ -256,6 +256,22 @@ def test_reduce_lr_on_plateau_without_validation_uses_the_epochs_training_loss()
     assert lrs == [0.1, 0.1, 0.05, 0.025]  # the loss falls: "max" mode reduces from epoch 2 on
 
 
+def test_reduce_lr_on_plateau_under_gradient_merge_steps_per_epoch_too():
+    def plateau(opt):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+
+    strategy = ap.Strategy(gradient_merge={"k_steps": 2, "avg": True})
+    history = _engine(_model(), lr=0.1, scheduler=plateau, strategy=strategy).fit(
+        TRAIN, batch_size=2, epochs=4, valid_data=VALID, verbose=0)   # 2 optimizer steps/epoch
+    eager_opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    eager, lrs = plateau(eager_opt), []
+    for val_loss in history["val_loss"]:       # eager torch's scheduler fed the same losses
+        lrs.append(eager_opt.param_groups[0]["lr"])
+        eager.step(val_loss)
+    assert [history["lr"][i:i + 4] for i in range(0, 16, 4)] == [[lr] * 4 for lr in lrs]
+    assert len(set(lrs)) > 1
+
+
 def test_progress_display_looks_as_before(capsys):
     engine = _engine(_model())
     engine.fit(TRAIN, batch_size=4, epochs=2, valid_data=VALID, log_freq=1, verbose=2)
