@@ -1,5 +1,6 @@
 # Each target creates .venv on first use. torch is pinned and installed first, on its own,
-# so that no later resolution can pull a CUDA build.
+# so that no later resolution can pull a CUDA build; the extras (dev, demo: matplotlib) then
+# resolve against the project's own torch==2.13.0 pin, so they never move it.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
@@ -9,7 +10,7 @@ $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,demo]'
 	touch $(VENV_STAMP)
 
 demo: $(VENV_STAMP)

@@ -9,8 +9,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m autopar")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a char-level GPT on Python stdlib source")
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--batch-size", type=int, default=16)
+    demo.add_argument("--steps", type=int, default=400)
+    demo.add_argument("--batch-size", type=int, default=32)
     demo.add_argument("--dump-dir", default="dumps/demo")
     demo.add_argument("--strategy", default=None,
                       help="strategy YAML (default: configs/dp_tp.yaml, 4 ranks)")
