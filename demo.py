@@ -158,7 +158,7 @@ def main(steps: int = 400, batch_size: int = 32, dump_dir: str = "dumps/demo",
         f"({trained / elapsed:.1f} steps/s incl. validation, {tokens_per_s:,.0f} tokens/s over "
         f"all ranks); validation loss {valid_losses[0]:.3f} -> "
         f"{valid_losses[-1]:.3f}")
-    sample = generate(engine, "def ", 300, cfg.block_size)
+    sample = generate(engine, "    def __init__(self", 300, cfg.block_size)
     say("sample (temperature 0.8, top-k 20, seed 0):\n" + sample)
     if engine.is_logging_rank:
         rows = loss_rows(history["loss"], valid_losses,
