@@ -268,6 +268,37 @@ def test_gradient_merge_sums_scaled_gradients_and_checks_the_sum():
         assert torch.equal(model.state_dict()[name], value), name
 
 
+def _gpt_against_grad_scaler(strategy: ap.Strategy, scaler: torch.amp.GradScaler,
+                             autocast: torch.dtype | None = None, max_norm: float | None = None
+                             ) -> tuple[dict, dict, ap.Engine, torch.nn.Module]:
+    """The GPT trained by the engine under ``strategy`` next to its eager twin under
+    ``scaler`` (autocast to ``autocast``; ``unscale_`` then ``clip_grad_norm_`` when
+    ``max_norm``): both histories (loss, loss_scale, skipped), the engine and the twin."""
+    model = parity_gpt("sgd")
+    ref = twin(model)
+    data = lm_data(STEPS * 4, 16, 64)
+    engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                        momentum=0.9), strategy=strategy)
+    history = engine.fit(data, batch_size=4, verbose=0)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    eager = {"loss": [], "loss_scale": [], "skipped": []}
+    for x, y in DataLoader(data, batch_size=4):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=autocast or torch.float16, enabled=autocast is not None):
+            loss = lm_loss(ref(x), y)
+        eager["loss_scale"].append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        if max_norm is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        scaler.step(optimizer)
+        eager["skipped"].append(bool(sum(v.item() for v in
+                                         scaler._found_inf_per_device(optimizer).values())))
+        scaler.update()
+        eager["loss"].append(loss.item())
+    return history, eager, model, ref
+
+
 def test_config_dp_fp16_follows_eager_grad_scaler():
     """``configs/dp_fp16.yaml`` (dp2 float16 O1, dynamic scaling, clipping) on the simulator,
     the scale from 2**14 growing every 2 steps, against one-device eager autocast + GradScaler
@@ -277,29 +308,13 @@ def test_config_dp_fp16_follows_eager_grad_scaler():
     strategy = strategy.model_copy(update={
         "debug": ap.Strategy(debug={"simulate": True}).debug,
         "amp": strategy.amp.model_copy(update={"init_scale": 2.0 ** 14, "growth_interval": 2})})
-    model = parity_gpt("sgd")
-    ref = twin(model)
-    data = lm_data(STEPS * 4, 16, 64)
-    engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                        momentum=0.9), strategy=strategy)
-    history = engine.fit(data, batch_size=4, verbose=0)
-    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=2)
-    losses, scales = [], []
-    for x, y in DataLoader(data, batch_size=4):
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = lm_loss(ref(x), y)
-        scales.append(scaler.get_scale())
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        losses.append(loss.item())
+    history, eager, _, _ = _gpt_against_grad_scaler(
+        strategy, torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=2),
+        autocast=torch.float16, max_norm=1.0)
+    scales = eager["loss_scale"]
     assert history["loss_scale"] == scales and len(set(scales)) == STEPS // 2
-    assert history["skipped"] == [False] * STEPS
-    torch.testing.assert_close(torch.tensor(history["loss"]), torch.tensor(losses),
+    assert history["skipped"] == eager["skipped"] == [False] * STEPS
+    torch.testing.assert_close(torch.tensor(history["loss"]), torch.tensor(eager["loss"]),
                                rtol=RTOL, atol=ATOL)
 
 
@@ -339,30 +354,13 @@ def test_pipeline_stages_skip_together():
         "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2}\n"
         f"amp: {{loss_scale: dynamic, init_scale: {init:.6e}, growth_factor: 3.0, "
         "backoff_factor: 0.3, growth_interval: 2}\ndebug: {simulate: true}\n")
-    model = parity_gpt("sgd")
-    ref = twin(model)
-    data = lm_data(STEPS * 4, 16, 64)
-    engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                        momentum=0.9), strategy=strategy)
-    history = engine.fit(data, batch_size=4, verbose=0)
-    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=3.0,
-                                  backoff_factor=0.3, growth_interval=2)
-    losses, skipped, scales = [], [], []
-    for x, y in DataLoader(data, batch_size=4):
-        optimizer.zero_grad()
-        loss = lm_loss(ref(x), y)
-        scales.append(scaler.get_scale())
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        skipped.append(bool(sum(v.item() for v in
-                                scaler._found_inf_per_device(optimizer).values())))
-        scaler.update()
-        losses.append(loss.item())
-    assert history["skipped"] == skipped and skipped[:2] == [True, True]
+    history, eager, model, ref = _gpt_against_grad_scaler(
+        strategy, torch.amp.GradScaler("cpu", init_scale=init, growth_factor=3.0,
+                                       backoff_factor=0.3, growth_interval=2))
+    assert history["skipped"] == eager["skipped"] and eager["skipped"][:2] == [True, True]
     # GradScaler's first get_scale() is the Python float it was given, not its fp32 state
-    assert history["loss_scale"] == [torch.tensor(init).item()] + scales[1:]
-    torch.testing.assert_close(torch.tensor(history["loss"]), torch.tensor(losses),
+    assert history["loss_scale"] == [torch.tensor(init).item()] + eager["loss_scale"][1:]
+    torch.testing.assert_close(torch.tensor(history["loss"]), torch.tensor(eager["loss"]),
                                rtol=RTOL, atol=ATOL)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=RTOL, atol=ATOL,
