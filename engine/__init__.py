@@ -6,6 +6,7 @@
     launch        how this process was started (torchrun's rank, offline planning)
     offline       ``python -m autopar plan script.py``: plan an unmodified script
     callbacks     hooks around fit / evaluate / predict: progress bar, early stopping, ...
+    checkpointing save / load on torch.distributed.checkpoint, into any strategy
     data, logging batches from datasets; the progress display
 """
 from . import callbacks

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..checkpoint.store import prune
 from .logging import ProgressLog
 
 Logs = dict[str, Any]
@@ -183,6 +184,53 @@ class EarlyStopping(Callback):
         if self.wait > self.patience:
             self.stopped_epoch = epoch
             self.engine.stop_training = True
+
+
+class ModelCheckpoint(Callback):
+    """Checkpoints during ``fit`` (``Engine.save``, on every rank): ``dirpath/step_<N>``
+    every ``save_freq`` optimizer steps (``"epoch"``: at each epoch's end; None: never),
+    keeping the newest ``keep_last`` (older ones and stale partial ones are removed); with
+    ``monitor`` (an epoch log such as ``val_loss``), also ``dirpath/best`` whenever it
+    improves (``mode`` "min" or "max"). ``fit(resume=True)`` continues from the newest
+    ``step_<N>``. ``saved``: the paths written, in order."""
+
+    def __init__(self, dirpath: str | Path, save_freq: int | str | None = "epoch",
+                 keep_last: int = 2, monitor: str | None = None, mode: str = "min"):
+        if not (save_freq is None or save_freq == "epoch"
+                or (isinstance(save_freq, int) and save_freq > 0)):
+            raise ValueError(f"ModelCheckpoint: save_freq={save_freq!r} is not a positive "
+                             "number of optimizer steps, 'epoch' or None")
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint: mode {mode!r} is not 'min' or 'max'")
+        if keep_last < 1:
+            raise ValueError(f"ModelCheckpoint: keep_last={keep_last} keeps nothing to resume")
+        self.dirpath, self.save_freq, self.keep_last = Path(dirpath), save_freq, keep_last
+        self.monitor, self.sign = monitor, 1.0 if mode == "min" else -1.0
+        self.best, self.saved = math.inf, []
+
+    def on_step_end(self, step: int, logs: Logs) -> None:
+        engine = self.engine
+        k = engine.strategy.gradient_merge.k_steps
+        if isinstance(self.save_freq, int) and engine.batches_trained % k == 0 \
+                and engine.global_step % self.save_freq == 0:
+            self._save_step()
+
+    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
+        if self.save_freq == "epoch" and \
+                self.engine.batches_trained % self.engine.strategy.gradient_merge.k_steps == 0:
+            self._save_step()
+        value = logs.get(self.monitor) if self.monitor else None
+        if value is not None and self.sign * float(value) < self.best:
+            self.best = self.sign * float(value)
+            self.saved.append(self.engine.save(self.dirpath / "best"))
+
+    def _save_step(self) -> None:
+        path = self.dirpath / f"step_{self.engine.global_step:08d}"
+        if self.saved and self.saved[-1] == path:
+            return                       # this step is saved already (step and epoch end)
+        self.saved.append(self.engine.save(path))
+        if not self.engine.distributed or self.engine.is_logging_rank:
+            prune(self.dirpath, self.keep_last)
 
 
 class CSVLogger(Callback):

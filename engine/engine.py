@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils import _pytree as pytree
 
+from ..checkpoint.store import latest_checkpoint
 from ..ir import Program, Slot
 from ..ir.capture import StepSpec, flatten_batch
 from ..lower.lowering import lower_program
@@ -29,7 +30,8 @@ from ..pipeline.timeline import chrome_trace
 from ..runtime.divergence import Divergence, locate_divergence
 from ..runtime.runtimes import DistributedRuntime, LocalRuntime
 from ..strategy import Strategy
-from .callbacks import Callback, CallbackList, LRMonitor, ProgressBar
+from .callbacks import Callback, CallbackList, LRMonitor, ModelCheckpoint, ProgressBar
+from .checkpointing import load_checkpoint, save_checkpoint
 from .data import batch_size_of, batches
 from .launch import Launch
 from .model_state import ModelState
@@ -93,6 +95,9 @@ class Engine:
                                every=simulate or offline is not None)
         self.global_step = 0      # optimizer steps (gradient merge: one per k_steps batches)
         self.batches_trained = 0  # training batches run; batch i draws seed + i
+        self.epoch = 0            # fit's current epoch (the next one between epochs)
+        self.batch_in_epoch = 0   # batches of it trained: with ``epoch``, the data position
+        self.resume_at: tuple[int, int] | None = None   # set by ``load``; the next fit starts there
         self.history: dict[str, list[float]] = {}
         self.stop_training = False   # a callback sets it; fit checks it after each batch
         self.closed = False
@@ -236,8 +241,9 @@ class Engine:
             steps_per_epoch: int | None = None, log_freq: int = 10, valid_data=None,
             valid_freq: int = 1, valid_steps: int | None = None,
             collate_fn: Callable | None = None, shuffle: bool = False,
-            verbose: int = 2, callbacks: Iterable[Callback] | None = None
-            ) -> dict[str, list[float]]:
+            verbose: int = 2, callbacks: Iterable[Callback] | None = None,
+            save_dir: str | os.PathLike | None = None, save_freq: int | str = "epoch",
+            keep_last: int = 2, resume: bool = False) -> dict[str, list[float]]:
         """Train; ``history["loss"]`` holds one global-batch mean loss per batch (with
         ``gradient_merge``, k batches make one optimizer step: ``train_step``) and
         ``history["lr"]`` each batch's learning rate. With ``amp.loss_scale``,
@@ -246,25 +252,39 @@ class Engine:
         (``engine.callbacks``) run around each batch and epoch; one that sets
         ``engine.stop_training`` ends training after the current batch. A
         ``ReduceLROnPlateau`` scheduler steps after each epoch on its ``val_loss`` (its mean
-        training loss when there is no ``valid_data``)."""
+        training loss when there is no ``valid_data``).
+
+        Checkpoints: with ``save_dir``, a ``ModelCheckpoint`` saves ``save_dir/step_<N>``
+        every ``save_freq`` optimizer steps (or each ``"epoch"``), keeping the last
+        ``keep_last``. ``resume=True`` first loads the newest complete checkpoint there (if
+        any) and continues from its data position: ``epochs`` counts from the start of the
+        run, as Keras' ``initial_epoch``. So does a fit after ``engine.load``."""
         if self.optimizer is None:
             raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
-        hooks = CallbackList(callbacks, self, before=[LRMonitor()],
+        if resume:
+            self._resume_from(save_dir)
+        saving = [ModelCheckpoint(save_dir, save_freq, keep_last)] if save_dir else []
+        hooks = CallbackList([*saving, *(callbacks or [])], self, before=[LRMonitor()],
                              after=_progress(verbose, log_freq))
         hooks.set_params({"epochs": epochs, "verbose": verbose, "log_freq": log_freq,
                           "steps": _steps_in(train_data, batch_size, steps_per_epoch)})
         self.stop_training = False
+        start, skip = self.resume_at or (0, 0)
+        self.resume_at = None
         hooks.call("on_train_begin", {})
-        for epoch in range(epochs):
+        for epoch in range(start, epochs):
+            self.epoch, self.batch_in_epoch = epoch, skip
             hooks.call("on_epoch_begin", epoch, {})
             data = batches(train_data, batch_size, collate_fn, shuffle, self.strategy.seed + epoch)
-            logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks)}
+            logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip)}
+            skip = 0
             if valid_data is not None and (epoch + 1) % valid_freq == 0:
                 scores = self._evaluate(valid_data, batch_size, valid_steps, collate_fn, hooks)
                 for k, v in scores.items():
                     self.history.setdefault(f"val_{k}", []).append(v)
                     logs[f"val_{k}"] = v
             self._step_on_plateau(logs, valid_data is not None)
+            self.epoch, self.batch_in_epoch = epoch + 1, 0
             hooks.call("on_epoch_end", epoch, logs)
             if self.stop_training:
                 break
@@ -276,14 +296,19 @@ class Engine:
             self._write_trace()
         return self.history
 
-    def _train_epoch(self, data, steps: int | None, hooks: CallbackList) -> float:
-        """One epoch's batches (fewer when a callback stops training); their mean loss."""
+    def _train_epoch(self, data, steps: int | None, hooks: CallbackList, skip: int = 0
+                     ) -> float:
+        """One epoch's batches (fewer when a callback stops training; resuming, the first
+        ``skip`` were trained before the checkpoint); their mean loss."""
         losses = []
         for step, (inputs, labels) in enumerate(data, start=1):
             if steps is not None and step > steps:
                 break
+            if step <= skip:
+                continue
             hooks.call("on_step_begin", step, {})
             losses.append(self.train_step(inputs, labels))
+            self.batch_in_epoch = step
             self.history.setdefault("loss", []).append(losses[-1])
             hooks.call("on_step_end", step, {"loss": losses[-1]})
             if self.stop_training:
@@ -369,6 +394,43 @@ class Engine:
         are gathered: a collective, so every rank calls it."""
         self.sync_model()
         return {n: self.state.tensors[n] for n in self.state.module_state_names()}
+
+    def save(self, path: str | os.PathLike, format: str = "dcp") -> Path:
+        """``format="full"``: export the model's ``state_dict`` whole as one ``safetensors``
+        file that ``model.load_state_dict`` and Hugging Face ``from_pretrained`` read
+        (``engine.export``; gathered one tensor at a time). Otherwise write a checkpoint to the directory ``path`` on torch.distributed.checkpoint:
+        each process writes only the pieces it holds (parameters, buffers, optimizer and
+        loss-scaler state) under their global shapes, with what exact resume needs (step
+        counters, data position, LR scheduler and param groups) and the strategy it was
+        written under. The directory appears only once every process has finished (it is
+        written as ``<path>.partial`` and renamed). Every process calls it."""
+        if format == "full":
+            from .export import export_full
+            return export_full(self, path)
+        if format != "dcp":
+            raise ValueError(f"save: format={format!r} is not 'dcp' (a checkpoint) or 'full' "
+                             "(a safetensors export)")
+        return save_checkpoint(self, path)
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Read a checkpoint written under any strategy into this engine's own: every
+        process reads only the pieces it holds (before the first step, when that step places
+        them). Restores the step counters, LR scheduler and param groups, and the data
+        position the next ``fit`` continues from. A checkpoint of another model is refused,
+        naming its missing, unexpected and reshaped keys. Returns the checkpoint's trainer
+        record (``strategy``: the YAML it was written under). Every process calls it."""
+        return load_checkpoint(self, path)
+
+    def _resume_from(self, save_dir: str | os.PathLike | None) -> None:
+        if save_dir is None:
+            raise ValueError("fit(resume=True) resumes from the newest checkpoint in "
+                             "save_dir: pass save_dir=...")
+        found = latest_checkpoint(save_dir)
+        if found is not None:
+            self.load(found)
+            if self.is_logging_rank:
+                print(f"resuming from {found} (step {self.global_step}, epoch "
+                      f"{self.epoch + 1}, batch {self.batch_in_epoch})", flush=True)
 
     def sync_model(self) -> None:
         """Put the trained values into the model's own tensors and the optimizer's state

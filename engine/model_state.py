@@ -39,6 +39,9 @@ class ModelState:
         self.tensors: dict[str, Any] = dict(extra or {})
         self._read_model()
         self.deferred = MetaInit(model, init_fn) if is_deferred_model(model) else None
+        # a checkpoint loaded on real processes before the state was placed (its pieces
+        # are read as the first steps place them): ``checkpointing.PendingLoad``
+        self.pending: Any = None
         if init_fn is not None and self.deferred is None:
             raise ValueError("Engine(init_fn=...) initializes a model built on the meta device "
                              "(torch.device('meta')); this model has no meta tensors")
@@ -55,14 +58,18 @@ class ModelState:
 
     def pieces(self, wanted: Mapping[str, StatePiece]) -> dict[str, torch.Tensor | None]:
         """This process's starting pieces of the states in ``wanted`` (real processes):
-        cut from the whole starting value, or, for a meta model, drawn piece by piece."""
+        cut from the whole starting value, or, for a meta model, drawn piece by piece; read
+        from a pending checkpoint for the states it holds (a collective: every process asks,
+        for whatever it places)."""
+        loaded = self.pending.read(wanted) if self.pending is not None else {}
+        wanted = {n: p for n, p in wanted.items() if n not in loaded}
         meta = {n: p for n, p in wanted.items()
                 if self.deferred is not None and _is_meta(self.tensors.get(n))}
         out = self.deferred.pieces(meta) if meta else {}
         for name, piece in wanted.items():
             if name not in meta:
                 out[name] = self._piece_of(name, piece)
-        return out
+        return {**out, **loaded}
 
     def _piece_of(self, name: str, piece: StatePiece) -> torch.Tensor | None:
         param = self._param_of_state(name)
@@ -130,12 +137,12 @@ class ModelState:
                     own.copy_(value)
             else:
                 self.tensors[name] = value
-        self._expose_optimizer_state()
+        self.refresh_optimizer_state()
 
     def _module_names(self) -> set[str]:
         return set(self.module_state_names())
 
-    def _expose_optimizer_state(self) -> None:
+    def refresh_optimizer_state(self) -> None:
         """Optimizer state through ``optimizer.state`` (so ``state_dict`` works)."""
         if self.optimizer is None:
             return

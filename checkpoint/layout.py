@@ -1,0 +1,91 @@
+"""Which boxes of a state value a process writes, and where they sit in its piece: pure
+functions of the piece's layout (``StatePiece``), no I/O.
+
+A checkpoint stores each state value under its global shape as a set of boxes
+(``offsets``, ``sizes``), DCP's chunks. A process's piece is one box, or several for a
+grouped shard (a fused ``[q; k; v]`` weight cut into heads holds one run per group: the
+product of each dim's runs). Validity rules:
+
+* the boxes every writing process writes tile the global tensor exactly once: along a mesh
+  dim that replicates the value, only coordinate 0 writes (``writes_piece``); in a pipeline
+  only the stage that owns the value (the caller checks ``owner``);
+* a ``Partial`` value has no box (its terms are not the value): state is never partial, and
+  a state that is (a gradient-merge accumulator) is not checkpointed.
+
+Keys follow ``torch.distributed.checkpoint.state_dict.get_state_dict`` flattened by DCP:
+``model.<fqn>`` for parameters and buffers, ``optim.state.<fqn>.<key>`` for optimizer
+state, so plain DCP can read the model back (``dcp.load({"model": model.state_dict()})``).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ..ir.dist import Partial, local_runs
+from ..lower.executable import StatePiece
+
+__all__ = ["Box", "piece_boxes", "writes_piece", "checkpoint_key"]
+
+MODEL, OPTIM, EXTRA = "model.", "optim.state.", "autopar."
+
+
+@dataclass(frozen=True)
+class Box:
+    """One box of a state value: where it sits in the global tensor (``offsets``,
+    ``sizes``) and in the process's piece (``local``: the offset per dim)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local: tuple[int, ...]
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+def piece_boxes(piece: StatePiece) -> list[Box]:
+    """The boxes a process's piece of ``piece.name`` covers (one for a whole tensor or a
+    plain shard; the product of each dim's runs for a grouped shard; none for an empty
+    piece)."""
+    shape = tuple(piece.shape)
+    if piece.dist is None:
+        return [Box((0,) * len(shape), shape, (0,) * len(shape))]
+    runs = local_runs(shape, piece.dist.mesh, piece.dist.placements, piece.coordinate)
+    per_dim = []
+    for dim_runs in runs:
+        starts, at = [], 0
+        for a, b in dim_runs:
+            starts.append((a, b - a, at))
+            at += b - a
+        per_dim.append(starts)
+    return [Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo),
+                tuple(r[2] for r in combo))
+            for combo in itertools.product(*per_dim)]
+
+
+def writes_piece(piece: StatePiece) -> bool:
+    """Whether the process holding this piece writes it: coordinate 0 of every mesh dim that
+    replicates it (each box once). A partial value cannot be written: it is refused, with
+    its name and placement."""
+    if piece.dist is None:
+        return True
+    partial = [p for p in piece.dist.placements if isinstance(p, Partial)]
+    if partial:
+        raise ValueError(f"state {piece.name!r} is {piece.dist}: a partial value has no "
+                         "boxes to checkpoint (its terms are not the value)")
+    return all(c == 0 for p, c in zip(piece.dist.placements, piece.coordinate)
+               if not p.is_shard())
+
+
+def checkpoint_key(state: str, module_names: set[str]) -> str:
+    """The checkpoint key of program state ``state``: ``model.<fqn>`` for a parameter or
+    buffer, ``optim.state.<fqn>.<key>`` for optimizer state ``<fqn>/<key>``,
+    ``autopar.<name>`` for the engine's own state (the loss scaler's)."""
+    if state in module_names:
+        return MODEL + state
+    owner, _, key = state.rpartition("/")
+    if owner in module_names:
+        return f"{OPTIM}{owner}.{key}"
+    return EXTRA + state

@@ -1,0 +1,361 @@
+"""``Engine.save`` / ``Engine.load``: the engine's state as a DCP checkpoint.
+
+What a checkpoint holds:
+
+* every parameter, persistent buffer and optimizer state value (and the loss scaler's
+  state), each process writing only the boxes of the pieces it holds (``checkpoint.layout``)
+  under the value's global shape, so any strategy can read it back;
+* ``autopar.trainer``: JSON with what exact resume needs beyond tensors (optimizer steps,
+  batches trained, the data position, the LR scheduler's and the param groups' state) and
+  what the checkpoint was written under (the strategy's YAML, the world size).
+
+Loading reads into the layout of the engine that loads: in this process (serial,
+simulated) whole tensors; on real processes each its pieces, in place when the state is
+already placed, else when the first step places it (``ModelState.pieces`` asks
+``PendingLoad``). A simulated run writes the boxes its simulated ranks would write, so the
+simulator checks the same tiling real ranks produce.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..checkpoint.layout import MODEL, OPTIM, Box, checkpoint_key, piece_boxes, writes_piece
+from ..checkpoint.planners import BoxLoadPlanner, BoxSavePlanner, Chunk
+from ..checkpoint.store import CheckpointDir, SafeReader, is_checkpoint
+from ..lower.executable import PipelineProcess, StatePiece
+from ..passes.lower_optimizer import rule_for
+from ..passes.merge_gradients import accumulated_param
+from ..runtime.runtimes import DistributedRuntime
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointMismatch", "PendingLoad",
+           "TRAINER_KEY"]
+
+TRAINER_KEY = "autopar.trainer"
+FORMAT = "autopar-checkpoint/1"
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that does not belong to this model (or optimizer)."""
+
+
+# -- saving ---------------------------------------------------------------------------------
+
+def save_checkpoint(engine: Engine, path: str | os.PathLike) -> Path:
+    """Write the engine's state to the directory ``path`` (every process calls it)."""
+    k = engine.strategy.gradient_merge.k_steps
+    if engine.batches_trained % k:
+        raise ValueError(f"save: {engine.batches_trained % k} batch(es) into a gradient_merge "
+                         f"cycle of k_steps={k}; save after an optimizer step (fit's "
+                         "save_freq counts optimizer steps)")
+    distributed = isinstance(engine.runtime, DistributedRuntime)
+    if distributed and engine.runtime.state is None:
+        raise ValueError("save: on real processes the state is placed by the first step; "
+                         "train (or evaluate) once before saving")
+    chunks = _rank_chunks(engine) if distributed else _local_chunks(engine)
+    target = CheckpointDir(path)
+    coordinator = not distributed or dist.get_rank() == 0
+    if coordinator:
+        target.prepare()
+    _barrier(distributed)
+    blobs = {TRAINER_KEY: json.dumps(_trainer_state(engine)).encode()}
+    with _single_process_quietly():
+        dcp.save({}, storage_writer=FileSystemWriter(target.partial),
+                 planner=BoxSavePlanner(chunks, blobs), no_dist=not distributed)
+    if coordinator:
+        target.commit()
+    _barrier(distributed)
+    return target.final
+
+
+@contextlib.contextmanager
+def _single_process_quietly():
+    """DCP warns that it assumes one process when no process group exists: here that is
+    the plan (serial or simulated), not an accident."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier(distributed: bool) -> None:
+    if distributed:
+        dist.barrier()
+
+
+def _checkpoint_names(engine: Engine, names) -> dict[str, str]:
+    """State name -> checkpoint key, for the states a checkpoint holds (not gradient-merge
+    accumulators, not non-persistent buffers: ``state_dict`` leaves them out too)."""
+    module = set(engine.state.module_state_names())
+    skipped = _non_persistent_buffers(engine.model)
+    return {n: checkpoint_key(n, module) for n in names
+            if accumulated_param(n) is None and n not in skipped}
+
+
+def _non_persistent_buffers(model: torch.nn.Module) -> set[str]:
+    return {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules()
+            for b in getattr(m, "_non_persistent_buffers_set", ())}
+
+
+def _box_of(tensor: torch.Tensor, box: Box, at: tuple[int, ...]) -> torch.Tensor:
+    """The view of ``tensor`` holding ``box``, which starts at ``at`` in it."""
+    view = tensor
+    for d, (start, size) in enumerate(zip(at, box.sizes)):
+        view = view.narrow(d, start, size)
+    return view
+
+
+def _rank_chunks(engine: Engine) -> list[Chunk]:
+    """This real process's boxes: of the pieces it holds, those it writes."""
+    state = engine.runtime.state
+    pp = state.pipeline.pp if state.pipeline is not None else None
+    keys = _checkpoint_names(engine, state.names())
+    chunks = []
+    for name, key in keys.items():
+        piece, value = state.pieces[name], state.tensors.get(name)
+        if value is None or (piece.owner is not None and piece.owner != pp) \
+                or not writes_piece(piece):
+            continue
+        chunks += [Chunk(key, tuple(piece.shape), box, _box_of(value, box, box.local))
+                   for box in piece_boxes(piece)]
+    return chunks
+
+
+def _local_chunks(engine: Engine) -> list[Chunk]:
+    """Every box this process writes: whole tensors, or under a simulated mesh the boxes
+    the simulated ranks would write, cut from the whole tensors."""
+    tensors = engine.state.tensors
+    keys = _checkpoint_names(engine, [n for n, v in tensors.items()
+                                      if isinstance(v, torch.Tensor)])
+    layout = _simulated_layout(engine)
+    chunks = []
+    for name, key in keys.items():
+        value = tensors[name]
+        shape = tuple(value.shape)
+        boxes = [b for p in layout.get(name, ()) for b in piece_boxes(p)] or \
+            [Box((0,) * len(shape), shape, (0,) * len(shape))]
+        chunks += [Chunk(key, shape, box, _box_of(value, box, box.offsets)) for box in boxes]
+    return chunks
+
+
+def _simulated_layout(engine: Engine) -> dict[str, list[StatePiece]]:
+    """Per state, the pieces the simulated ranks write (those of the plan that holds the
+    most state: training's, when there is one)."""
+    if not engine.strategy.debug.simulate or not engine.planner.steps:
+        return {}
+    lowered = max((s.lowered for s in engine.planner.steps.values()),
+                  key=lambda low: len(next(iter(low.processes.values())).state))
+    if len(lowered.processes) < 2:
+        return {}
+    out: dict[str, list[StatePiece]] = {}
+    for made in lowered.processes.values():
+        held = made.held if isinstance(made, PipelineProcess) else made.state.keys()
+        pp = made.pp if isinstance(made, PipelineProcess) else None
+        for name in held:
+            piece = made.state[name]
+            if piece.const is None and (piece.owner is None or piece.owner == pp) \
+                    and accumulated_param(name) is None and writes_piece(piece):
+                out.setdefault(name, []).append(piece)
+    return out
+
+
+def _trainer_state(engine: Engine) -> dict[str, Any]:
+    groups = engine.optimizer.param_groups if engine.optimizer is not None else []
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    state = {"format": FORMAT, "global_step": engine.global_step,
+             "batches_trained": engine.batches_trained, "epoch": engine.epoch,
+             "batch_in_epoch": engine.batch_in_epoch, "world_size": engine.launch.world_size,
+             "strategy": engine.strategy.to_yaml(), "torch": torch.__version__,
+             "lr_scheduler": scheduler,
+             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
+    try:
+        json.dumps(state)
+    except TypeError as err:
+        raise TypeError(f"save: the LR scheduler's or optimizer's param-group state holds a "
+                        f"value a checkpoint cannot store as JSON ({err})") from None
+    return state
+
+
+# -- loading --------------------------------------------------------------------------------
+
+@dataclass
+class PendingLoad:
+    """A checkpoint loaded before the state was placed on real processes: the pieces the
+    first steps place are read from it (a collective: every process asks at each new
+    step, as every process places its state there)."""
+
+    path: Path
+    metadata: Metadata
+    keys: dict[str, str]                  # state name -> checkpoint key, for states it holds
+    optimizer_keys: dict[str, str] = field(default_factory=dict)
+
+    def read(self, wanted: Mapping[str, StatePiece]) -> dict[str, torch.Tensor]:
+        """This process's pieces of the ``wanted`` states the checkpoint holds."""
+        out, chunks = {}, []
+        for name, piece in wanted.items():
+            key = self.keys.get(name)
+            if key is None:
+                continue
+            saved = self.metadata.state_dict_metadata[key]
+            local = piece.dist.local_shape(piece.shape, piece.coordinate) if piece.dist \
+                else tuple(piece.shape)
+            out[name] = torch.empty(local, dtype=saved.properties.dtype)
+            chunks += [Chunk(key, tuple(piece.shape), box, _box_of(out[name], box, box.local))
+                       for box in piece_boxes(piece)]
+        _read(self.path, chunks, [], distributed=True)
+        return out
+
+
+def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
+    """Read the checkpoint at ``path`` into the engine, under the engine's own strategy;
+    returns its trainer state (every process calls it)."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"load: {path} is not a complete checkpoint (a directory "
+                                "with DCP's .metadata, not a .partial one)")
+    metadata = SafeReader(path).read_metadata()
+    keys = _loadable(engine, metadata)
+    distributed = isinstance(engine.runtime, DistributedRuntime)
+    if distributed:
+        trainer = _load_rank(engine, path, metadata, keys)
+    else:
+        trainer = _load_local(engine, path, metadata, keys)
+    _restore_trainer(engine, trainer)
+    return trainer
+
+
+def _read(path: Path, chunks: list[Chunk], blob_keys: list[str], distributed: bool
+          ) -> dict[str, bytes]:
+    planner = BoxLoadPlanner(chunks, blob_keys)
+    with _single_process_quietly():
+        dcp.load({}, storage_reader=SafeReader(path), planner=planner, no_dist=not distributed)
+    return planner.blobs
+
+
+def _load_local(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, str]
+                ) -> dict[str, Any]:
+    """Whole tensors into this process's state: in place where the state already has the
+    value (the model's own tensors), else new tensors the first step adopts."""
+    engine.state.materialize()
+    tensors = engine.state.tensors
+    chunks, fresh = [], {}
+    for name, key in keys.items():
+        saved = metadata.state_dict_metadata[key]
+        shape = tuple(saved.size)
+        own = tensors.get(name)
+        if isinstance(own, torch.Tensor) and tuple(own.shape) == shape and not own.is_meta:
+            dest = own
+        else:
+            dest = fresh[name] = torch.empty(shape, dtype=saved.properties.dtype)
+        chunks.append(Chunk(key, shape, Box((0,) * len(shape), shape, (0,) * len(shape)),
+                            dest))
+    blobs = _read(path, chunks, [TRAINER_KEY], distributed=False)
+    tensors.update(fresh)
+    engine.state.refresh_optimizer_state()
+    return json.loads(blobs[TRAINER_KEY])
+
+
+def _load_rank(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, str]
+               ) -> dict[str, Any]:
+    """Real processes: the pieces already placed are read in place; the rest wait for the
+    step that places them (``PendingLoad``)."""
+    state = engine.runtime.state
+    chunks = []
+    placed = {} if state is None else {n: state.pieces[n] for n in keys
+                                       if state.tensors.get(n) is not None}
+    for name, piece in placed.items():
+        chunks += [Chunk(keys[name], tuple(piece.shape), box,
+                         _box_of(state.tensors[name], box, box.local))
+                   for box in piece_boxes(piece)]
+    blobs = _read(path, chunks, [TRAINER_KEY], distributed=True)
+    engine.state.pending = PendingLoad(path, metadata,
+                                       {n: k for n, k in keys.items() if n not in placed})
+    return json.loads(blobs[TRAINER_KEY])
+
+
+def _loadable(engine: Engine, metadata: Metadata) -> dict[str, str]:
+    """State name -> key of every value the checkpoint gives this engine; a checkpoint of
+    another model (missing, unexpected or reshaped keys) is refused, naming them."""
+    saved = {k: v for k, v in metadata.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    expected = _checkpoint_names(engine, engine.state.module_state_names())
+    shapes = {n: tuple(engine.state.tensors[n].shape) for n in expected}
+    keys = dict(expected)
+    problems = []
+    missing = sorted(k for k in expected.values() if k not in saved)
+    unexpected = sorted(k for k in saved if k.startswith(MODEL) and k not in
+                        set(expected.values()))
+    reshaped = [f"{k}: saved {list(saved[k].size)}, model {list(shapes[n])}"
+                for n, k in expected.items() if k in saved and tuple(saved[k].size) != shapes[n]]
+    for what, items in (("missing", missing), ("unexpected", unexpected),
+                        ("shape mismatch", reshaped)):
+        if items:
+            problems.append(f"{what} ({len(items)}): " + ", ".join(items[:20])
+                            + (" ..." if len(items) > 20 else ""))
+    optim_keys, optim_problems = _optimizer_keys(engine, saved)
+    problems += optim_problems
+    if problems:
+        raise CheckpointMismatch("load: the checkpoint does not match this model:\n  "
+                                 + "\n  ".join(problems))
+    keys.update(optim_keys)
+    module = set(engine.state.module_state_names())
+    keys.update({n: checkpoint_key(n, module) for n in engine.state.tensors
+                 if n not in module and checkpoint_key(n, module) in saved})
+    return keys
+
+
+def _optimizer_keys(engine: Engine, saved: Mapping[str, Any]) -> tuple[dict[str, str], list]:
+    """Optimizer state ``<fqn>/<key>`` -> its checkpoint key, and what does not fit this
+    optimizer (state of another optimizer kind, of a parameter it does not train). An engine
+    without an optimizer reads none."""
+    if engine.optimizer is None:
+        return {}, []
+    names = engine.state.param_names
+    expected: dict[str, str] = {}
+    for group in engine.optimizer.param_groups:
+        for p in group["params"]:
+            fqn = names[id(p)]
+            for k, _ in rule_for(engine.optimizer).states(group):
+                expected[f"{OPTIM}{fqn}.{k}"] = f"{fqn}/{k}"
+    unexpected = sorted(k for k in saved if k.startswith(OPTIM) and k not in expected)
+    problems = [f"optimizer state this {type(engine.optimizer).__name__} does not have "
+                f"({len(unexpected)}): " + ", ".join(unexpected[:20])] if unexpected else []
+    return {n: k for k, n in expected.items() if k in saved}, problems
+
+
+def _restore_trainer(engine: Engine, trainer: dict[str, Any]) -> None:
+    if trainer.get("format") != FORMAT:
+        raise CheckpointMismatch(f"load: trainer state of format {trainer.get('format')!r}, "
+                                 f"expected {FORMAT!r}")
+    engine.global_step = trainer["global_step"]
+    engine.batches_trained = trainer["batches_trained"]
+    engine.epoch, engine.batch_in_epoch = trainer["epoch"], trainer["batch_in_epoch"]
+    engine.resume_at = (trainer["epoch"], trainer["batch_in_epoch"])
+    if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+    if engine.optimizer is not None and trainer["param_groups"]:
+        _restore_groups(engine.optimizer, trainer["param_groups"])
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
+    """Hyperparameters of each param group (the LR a scheduler moved, betas...); JSON made
+    tuples lists, so a value takes the type the optimizer gave it."""
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointMismatch(f"load: the checkpoint has {len(saved)} param groups, the "
+                                 f"optimizer {len(optimizer.param_groups)}")
+    for group, values in zip(optimizer.param_groups, saved):
+        for k, v in values.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
