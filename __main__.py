@@ -1,4 +1,5 @@
-"""Command line: ``python -m autopar demo`` and ``python -m autopar plan``."""
+"""Command line: ``python -m autopar demo``, ``python -m autopar plan`` and ``python -m autopar
+export``."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,12 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--explain", action="append", default=[], metavar="VALUE",
                       help="why VALUE has its placement: %%12, loss, grad[fc1.weight], "
                            "fc1.weight (repeatable)")
+    export = sub.add_parser(
+        "export", help="consolidate the model of a checkpoint (Engine.save) into one "
+                       "safetensors file")
+    export.add_argument("checkpoint", help="a checkpoint directory written by Engine.save")
+    export.add_argument("out", help="the .safetensors file, or a directory for "
+                                    "OUT/model.safetensors")
     argv = list(sys.argv[1:] if argv is None else argv)
     # plan's own options anywhere; the script's arguments after "--"
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -37,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         from .engine.offline import plan_script
         print(plan_script(args.script, script_args, args.strategy, args.dump_dir,
                           args.explain, args.locate_divergence))
+    elif args.command == "export":
+        from .checkpoint.export import consolidate
+        print(consolidate(args.checkpoint, args.out))
 
 
 def run_demo(args: argparse.Namespace, argv: list[str]) -> None:

@@ -299,12 +299,32 @@ def train_callbacks(out_dir: str, epochs: str) -> dict:
             "printed": printed.getvalue()}
 
 
+def export_full(config: str, path: str, steps: str, meta: str) -> dict:
+    """The GPT of ``parity_gpt`` (tied embedding and head; built on the meta device when
+    ``meta`` is "1") trained ``steps`` steps on ``configs/<config>.yaml``, then exported
+    with ``engine.save(path, format="full")``: the file it returns, then
+    ``engine.state_dict()`` and whether the model stayed on meta."""
+    import contextlib
+
+    from autopar.models.gpt import lm_loss
+    with torch.device("meta") if meta == "1" else contextlib.nullcontext():
+        model = parity_gpt("sgd")
+    optimizer, _ = gpt_optimizer("sgd", model)
+    engine = ap.Engine(model, lm_loss, optimizer,
+                       strategy=ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml"))
+    engine.fit(lm_data(int(steps) * 4, 16, 64), batch_size=4, verbose=0)
+    written = engine.save(path, format="full")
+    return {"file": str(written), "state": engine.state_dict(),
+            "still_meta": all(p.is_meta for p in model.parameters())}
+
+
 SCENARIOS = {"train_scaled": train_scaled,
              "train_gpt": train_gpt, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
              "train_merge": train_merge, "amp_ranks": amp_ranks,
-             "train_callbacks": train_callbacks}
+             "train_callbacks": train_callbacks,
+             "export_full": export_full}
 
 
 def main() -> None:
