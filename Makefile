@@ -33,6 +33,7 @@ bench: $(VENV_STAMP)
 	$(PY) bench/memory_estimate.py
 	$(PY) bench/recompute.py
 	$(PY) bench/amp.py
+	$(PY) bench/checkpoint.py
 
 clean:
 	rm -rf .venv
