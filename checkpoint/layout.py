@@ -6,9 +6,11 @@ A checkpoint stores each state value under its global shape as a set of boxes
 grouped shard (a fused ``[q; k; v]`` weight cut into heads holds one run per group: the
 product of each dim's runs). Validity rules:
 
-* the boxes every writing process writes tile the global tensor exactly once: along a mesh
-  dim that replicates the value, only coordinate 0 writes (``writes_piece``); in a pipeline
-  only the stage that owns the value (the caller checks ``owner``);
+* the boxes every writing process writes tile the global tensor exactly once: of the
+  processes that hold the same piece (mesh dims that replicate the value), one writes
+  (``writes_piece``), picked by the value's name so that replicated values spread over the
+  replicas instead of all landing on coordinate 0; in a pipeline only the stage that owns
+  the value writes (the caller checks ``owner``);
 * a ``Partial`` value has no box (its terms are not the value): state is never partial, and
   a state that is (a gradient-merge accumulator) is not checkpointed.
 
@@ -19,6 +21,8 @@ state, so plain DCP can read the model back (``dcp.load({"model": model.state_di
 from __future__ import annotations
 
 import itertools
+import math
+import zlib
 from dataclasses import dataclass
 
 from ..ir.dist import Partial, local_runs
@@ -66,17 +70,23 @@ def piece_boxes(piece: StatePiece) -> list[Box]:
 
 
 def writes_piece(piece: StatePiece) -> bool:
-    """Whether the process holding this piece writes it: coordinate 0 of every mesh dim that
-    replicates it (each box once). A partial value cannot be written: it is refused, with
-    its name and placement."""
+    """Whether the process holding this piece writes it: one of the processes holding the
+    same piece (its coordinates along the mesh dims that replicate it), chosen by a hash of
+    the name that every process computes alike. A partial value cannot be written: it is
+    refused, with its name and placement."""
     if piece.dist is None:
         return True
     partial = [p for p in piece.dist.placements if isinstance(p, Partial)]
     if partial:
         raise ValueError(f"state {piece.name!r} is {piece.dist}: a partial value has no "
                          "boxes to checkpoint (its terms are not the value)")
-    return all(c == 0 for p, c in zip(piece.dist.placements, piece.coordinate)
-               if not p.is_shard())
+    replicas = [(c, n) for p, c, n in zip(piece.dist.placements, piece.coordinate,
+                                           piece.dist.mesh.shape) if not p.is_shard()]
+    index = 0
+    for c, n in replicas:              # this process's index among the replicas
+        index = index * n + c
+    count = math.prod(n for _, n in replicas)
+    return index == zlib.crc32(piece.name.encode()) % count
 
 
 def checkpoint_key(state: str, module_names: set[str]) -> str:

@@ -100,9 +100,12 @@ class BoxSavePlanner(SavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self.blobs[write_item.index.fqn])
-        chunk = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
-        # a copy of just the box: torch.save of a view would write its whole storage
-        return chunk.tensor.detach().to("cpu", copy=True).contiguous()
+        tensor = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))].tensor
+        tensor = tensor.detach().cpu()
+        if tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+                tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+            return tensor
+        return tensor.clone()    # torch.save of a view would write its whole storage
 
 
 class BoxLoadPlanner(LoadPlanner):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..checkpoint.layout import MODEL, OPTIM, Box, checkpoint_key, piece_boxes, writes_piece
@@ -42,11 +43,15 @@ from ..runtime.runtimes import DistributedRuntime
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointMismatch", "PendingLoad",
-           "TRAINER_KEY"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointMismatch",
+           "PendingLoad", "TRAINER_KEY"]
 
 TRAINER_KEY = "autopar.trainer"
 FORMAT = "autopar-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A save that did not complete (every process raises it; nothing became visible)."""
 
 
 class CheckpointMismatch(ValueError):
@@ -73,13 +78,25 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike) -> Path:
         target.prepare()
     _barrier(distributed)
     blobs = {TRAINER_KEY: json.dumps(_trainer_state(engine)).encode()}
-    with _single_process_quietly():
-        dcp.save({}, storage_writer=FileSystemWriter(target.partial),
-                 planner=BoxSavePlanner(chunks, blobs), no_dist=not distributed)
+    try:
+        with _single_process_quietly():
+            dcp.save({}, storage_writer=FileSystemWriter(target.partial),
+                     planner=BoxSavePlanner(chunks, blobs), no_dist=not distributed)
+    except CheckpointException as failed:
+        raise CheckpointError(f"save to {target.final} failed on rank(s) "
+                              f"{sorted(failed.failures)}: {_first_failure(failed)}; it stays "
+                              f"{target.partial.name} and earlier checkpoints are intact"
+                              ) from failed
     if coordinator:
         target.commit()
     _barrier(distributed)
     return target.final
+
+
+def _first_failure(failed: CheckpointException) -> str:
+    error = next(iter(failed.failures.values()))
+    error = error[0] if isinstance(error, tuple) else error
+    return f"{type(error).__name__}: {error}"
 
 
 @contextlib.contextmanager
@@ -105,6 +122,25 @@ def _checkpoint_names(engine: Engine, names) -> dict[str, str]:
             if accumulated_param(n) is None and n not in skipped}
 
 
+def _written_keys(engine: Engine, names) -> dict[str, list[str]]:
+    """State name -> the keys its boxes are written under: its own, and a tied weight's
+    other names too (``model.state_dict()`` lists both, so plain DCP can load it)."""
+    aliases = _aliases(engine.model)
+    return {n: [k, *(MODEL + a for a in aliases.get(n, ()))]
+            for n, k in _checkpoint_names(engine, names).items()}
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Canonical name -> the other names ``state_dict`` gives the same tensor."""
+    out: dict[str, list[str]] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        canonical = {id(t): n for n, t in named()}
+        for n, t in named(remove_duplicate=False):
+            if canonical[id(t)] != n:
+                out.setdefault(canonical[id(t)], []).append(n)
+    return out
+
+
 def _non_persistent_buffers(model: torch.nn.Module) -> set[str]:
     return {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules()
             for b in getattr(m, "_non_persistent_buffers_set", ())}
@@ -122,15 +158,14 @@ def _rank_chunks(engine: Engine) -> list[Chunk]:
     """This real process's boxes: of the pieces it holds, those it writes."""
     state = engine.runtime.state
     pp = state.pipeline.pp if state.pipeline is not None else None
-    keys = _checkpoint_names(engine, state.names())
     chunks = []
-    for name, key in keys.items():
+    for name, keys in _written_keys(engine, state.names()).items():
         piece, value = state.pieces[name], state.tensors.get(name)
         if value is None or (piece.owner is not None and piece.owner != pp) \
                 or not writes_piece(piece):
             continue
         chunks += [Chunk(key, tuple(piece.shape), box, _box_of(value, box, box.local))
-                   for box in piece_boxes(piece)]
+                   for box in piece_boxes(piece) for key in keys]
     return chunks
 
 
@@ -138,16 +173,16 @@ def _local_chunks(engine: Engine) -> list[Chunk]:
     """Every box this process writes: whole tensors, or under a simulated mesh the boxes
     the simulated ranks would write, cut from the whole tensors."""
     tensors = engine.state.tensors
-    keys = _checkpoint_names(engine, [n for n, v in tensors.items()
-                                      if isinstance(v, torch.Tensor)])
     layout = _simulated_layout(engine)
     chunks = []
-    for name, key in keys.items():
+    for name, keys in _written_keys(engine, [n for n, v in tensors.items()
+                                             if isinstance(v, torch.Tensor)]).items():
         value = tensors[name]
         shape = tuple(value.shape)
         boxes = [b for p in layout.get(name, ()) for b in piece_boxes(p)] or \
             [Box((0,) * len(shape), shape, (0,) * len(shape))]
-        chunks += [Chunk(key, shape, box, _box_of(value, box, box.offsets)) for box in boxes]
+        chunks += [Chunk(key, shape, box, _box_of(value, box, box.offsets))
+                   for box in boxes for key in keys]
     return chunks
 
 
@@ -194,8 +229,8 @@ def _trainer_state(engine: Engine) -> dict[str, Any]:
 @dataclass
 class PendingLoad:
     """A checkpoint loaded before the state was placed on real processes: the pieces the
-    first steps place are read from it (a collective: every process asks at each new
-    step, as every process places its state there)."""
+    first steps place are read from it, each process on its own (reading needs no
+    collective), and forgotten once read."""
 
     path: Path
     metadata: Metadata
@@ -206,7 +241,7 @@ class PendingLoad:
         """This process's pieces of the ``wanted`` states the checkpoint holds."""
         out, chunks = {}, []
         for name, piece in wanted.items():
-            key = self.keys.get(name)
+            key = self.keys.pop(name, None)
             if key is None:
                 continue
             saved = self.metadata.state_dict_metadata[key]
@@ -215,7 +250,8 @@ class PendingLoad:
             out[name] = torch.empty(local, dtype=saved.properties.dtype)
             chunks += [Chunk(key, tuple(piece.shape), box, _box_of(out[name], box, box.local))
                        for box in piece_boxes(piece)]
-        _read(self.path, chunks, [], distributed=True)
+        if chunks:
+            _read(self.path, chunks, [])
         return out
 
 
@@ -237,11 +273,12 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
     return trainer
 
 
-def _read(path: Path, chunks: list[Chunk], blob_keys: list[str], distributed: bool
-          ) -> dict[str, bytes]:
+def _read(path: Path, chunks: list[Chunk], blob_keys: list[str]) -> dict[str, bytes]:
+    """Fill ``chunks`` and read ``blob_keys``: each process alone (DCP's load plan needs
+    nothing from the others: every process reads the boxes its own pieces overlap)."""
     planner = BoxLoadPlanner(chunks, blob_keys)
     with _single_process_quietly():
-        dcp.load({}, storage_reader=SafeReader(path), planner=planner, no_dist=not distributed)
+        dcp.load({}, storage_reader=SafeReader(path), planner=planner, no_dist=True)
     return planner.blobs
 
 
@@ -262,7 +299,7 @@ def _load_local(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, 
             dest = fresh[name] = torch.empty(shape, dtype=saved.properties.dtype)
         chunks.append(Chunk(key, shape, Box((0,) * len(shape), shape, (0,) * len(shape)),
                             dest))
-    blobs = _read(path, chunks, [TRAINER_KEY], distributed=False)
+    blobs = _read(path, chunks, [TRAINER_KEY])
     tensors.update(fresh)
     engine.state.refresh_optimizer_state()
     return json.loads(blobs[TRAINER_KEY])
@@ -280,7 +317,7 @@ def _load_rank(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, s
         chunks += [Chunk(keys[name], tuple(piece.shape), box,
                          _box_of(state.tensors[name], box, box.local))
                    for box in piece_boxes(piece)]
-    blobs = _read(path, chunks, [TRAINER_KEY], distributed=True)
+    blobs = _read(path, chunks, [TRAINER_KEY])
     engine.state.pending = PendingLoad(path, metadata,
                                        {n: k for n, k in keys.items() if n not in placed})
     return json.loads(blobs[TRAINER_KEY])
@@ -296,8 +333,9 @@ def _loadable(engine: Engine, metadata: Metadata) -> dict[str, str]:
     keys = dict(expected)
     problems = []
     missing = sorted(k for k in expected.values() if k not in saved)
-    unexpected = sorted(k for k in saved if k.startswith(MODEL) and k not in
-                        set(expected.values()))
+    known = set(expected.values()) | {MODEL + a for names in _aliases(engine.model).values()
+                                      for a in names}
+    unexpected = sorted(k for k in saved if k.startswith(MODEL) and k not in known)
     reshaped = [f"{k}: saved {list(saved[k].size)}, model {list(shapes[n])}"
                 for n, k in expected.items() if k in saved and tuple(saved[k].size) != shapes[n]]
     for what, items in (("missing", missing), ("unexpected", unexpected),

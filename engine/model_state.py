@@ -59,9 +59,10 @@ class ModelState:
     def pieces(self, wanted: Mapping[str, StatePiece]) -> dict[str, torch.Tensor | None]:
         """This process's starting pieces of the states in ``wanted`` (real processes):
         cut from the whole starting value, or, for a meta model, drawn piece by piece; read
-        from a pending checkpoint for the states it holds (a collective: every process asks,
-        for whatever it places)."""
+        from a pending checkpoint for the states it holds."""
         loaded = self.pending.read(wanted) if self.pending is not None else {}
+        if self.pending is not None and not self.pending.keys:
+            self.pending = None
         wanted = {n: p for n, p in wanted.items() if n not in loaded}
         meta = {n: p for n, p in wanted.items()
                 if self.deferred is not None and _is_meta(self.tensors.get(n))}
