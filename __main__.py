@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--dump-dir", default="dumps/demo")
     demo.add_argument("--strategy", default=None,
                       help="strategy YAML (default: configs/dp_tp.yaml, 4 ranks)")
+    demo.add_argument("--resume", action="store_true",
+                      help="continue from the newest checkpoint in <dump-dir>/checkpoints "
+                           "(under any strategy; pass a larger --steps)")
     plan = sub.add_parser(
         "plan", help="plan a training script for its whole mesh in this one process, write "
                      "the per-pass dumps and explain placements (no launcher needed)")
@@ -61,7 +64,7 @@ def run_demo(args: argparse.Namespace, argv: list[str]) -> None:
     ranks = Strategy.from_yaml(strategy).world_size
     if "WORLD_SIZE" not in os.environ and ranks > 1:
         sys.exit(launch(argv[1:], ranks))
-    demo_main(args.steps, args.batch_size, args.dump_dir, strategy)
+    demo_main(args.steps, args.batch_size, args.dump_dir, strategy, resume=args.resume)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import autopar as ap
+from autopar.checkpoint.store import latest_checkpoint
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 
@@ -120,7 +121,11 @@ def warmup_linear(warmup: int, total: int, floor: float = 0.1):
 
 
 def main(steps: int = 400, batch_size: int = 32, dump_dir: str = "dumps/demo",
-         strategy_path: str | Path = DEFAULT_STRATEGY, valid_every: int = 50) -> dict:
+         strategy_path: str | Path = DEFAULT_STRATEGY, valid_every: int = 50,
+         resume: bool = False) -> dict:
+    """Train, validating every ``valid_every`` steps and checkpointing at each validation
+    into ``<dump_dir>/checkpoints`` (``resume``: continue from the newest there, e.g. with
+    a larger ``steps``)."""
     torch.manual_seed(0)
     tokens = encode(stdlib_text(400_000))
     split = int(len(tokens) * 0.95)
@@ -142,12 +147,24 @@ def main(steps: int = 400, batch_size: int = 32, dump_dir: str = "dumps/demo",
         f"parameters) on {len(tokens):,} characters of Python stdlib source; "
         f"{strategy.describe_mesh()}")
     # validation before training and after every epoch of ``valid_every`` steps
-    epochs = max(1, math.ceil(steps / valid_every))
-    per_epoch = math.ceil(steps / epochs)
+    # (steps round up to whole intervals, so a resumed run with more steps keeps the epochs)
+    per_epoch = min(valid_every, steps)
+    epochs = math.ceil(steps / per_epoch)
+    save_dir = Path(dump_dir) / "checkpoints"
+    if resume and latest_checkpoint(save_dir) is not None:
+        engine.load(latest_checkpoint(save_dir))
+        say(f"resumed from {latest_checkpoint(save_dir)} at step {engine.global_step}")
+    first_epoch = engine.epoch
     before = engine.evaluate(valid, batch_size=batch_size)["loss"]
     start = time.perf_counter()
     history = engine.fit(train, batch_size=batch_size, epochs=epochs, steps_per_epoch=per_epoch,
-                         log_freq=25, shuffle=True, verbose=2, valid_data=valid)
+                         log_freq=25, shuffle=True, verbose=2, valid_data=valid,
+                         save_dir=save_dir, save_freq="epoch", keep_last=2)
+    if not history.get("loss"):
+        say(f"nothing to train: the checkpoint is at step {engine.global_step} of {steps}; "
+            "pass a larger --steps to continue")
+        engine.close()
+        return {"history": history}
     elapsed = time.perf_counter() - start
     trained, valid_losses = len(history["loss"]), [before, *history["val_loss"]]
     tokens_per_s = trained * batch_size * cfg.block_size / elapsed
@@ -162,9 +179,12 @@ def main(steps: int = 400, batch_size: int = 32, dump_dir: str = "dumps/demo",
     say("sample (temperature 0.8, top-k 20, seed 0):\n" + sample)
     if engine.is_logging_rank:
         rows = loss_rows(history["loss"], valid_losses,
-                         [epoch * per_epoch for epoch in range(epochs + 1)])
+                         [epoch * per_epoch for epoch in range(epochs + 1 - first_epoch)])
         csv_path, png_path = write_loss_curve(rows, dump_dir)
         say(f"loss curve: {csv_path.resolve()} and {png_path.resolve()}")
+    say(f"checkpoint: {latest_checkpoint(save_dir).resolve()} (keeps the last 2); "
+        f"continue training with: python -m autopar demo --steps {steps + 200} --resume"
+        + ("" if Path(strategy_path) == Path(DEFAULT_STRATEGY) else f" --strategy {strategy_path}"))
     say(f"pass dumps (one file per pass, per rank): {Path(dump_dir).resolve()}/rank<r>/ "
         "(NN_reshard.txt: the collectives and why; NN_partition.txt, or a pipeline's "
         "NN_jobs.txt: the rank's program)")

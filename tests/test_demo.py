@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +90,19 @@ def test_write_loss_curve_csv_and_png(tmp_path):
     assert len(table) == 6
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png_path.stat().st_size > 5000
+
+
+def test_the_demo_checkpoints_and_resumes_with_more_steps(tmp_path, capsys):
+    """``--resume`` continues from the newest checkpoint: the first run's 4 steps are not
+    trained again, the resumed run trains the 2 it adds and prints the command."""
+    from autopar.demo import main
+    serial = str(Path(__file__).resolve().parent.parent / "configs" / "serial.yaml")
+    main(steps=4, batch_size=4, dump_dir=str(tmp_path), strategy_path=serial, valid_every=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000002", "step_00000004"]
+    assert "--steps 204 --resume" in capsys.readouterr().out
+    again = main(steps=6, batch_size=4, dump_dir=str(tmp_path), strategy_path=serial,
+                 valid_every=2, resume=True)
+    assert len(again["history"]["loss"]) == 2
+    assert "resumed from" in capsys.readouterr().out
+    assert (tmp_path / "checkpoints" / "step_00000006").is_dir()
