@@ -21,9 +21,9 @@ import contextlib
 import json
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,25 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike) -> Path:
     if coordinator:
         target.commit()
     _barrier(distributed)
+    _dump(engine, f"save_{target.final.name}", chunks)
     return target.final
+
+
+def _dump(engine: Engine, name: str, chunks: list[Chunk]) -> None:
+    """``<dump_dir>/rank<r>/checkpoint_<save|load>_<dir>.txt``: the boxes this process
+    wrote or read, per key (simulated: every simulated rank's), and their bytes."""
+    if engine.dump_dir is None:
+        return
+    rank = engine.launch.rank if engine.distributed else 0
+    path = Path(engine.dump_dir) / f"rank{rank}" / f"checkpoint_{name}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(c.box.numel() * c.tensor.element_size() for c in chunks)
+    lines = [f"# {name}: {len(chunks)} boxes, {total:,} bytes"
+             + ("" if engine.distributed else " (this process: every simulated rank's boxes)")]
+    for c in sorted(chunks, key=lambda c: (c.key, c.box.offsets)):
+        where = ", ".join(f"{o}:{o + n}" for o, n in zip(c.box.offsets, c.box.sizes))
+        lines.append(f"{c.key}  {list(c.shape)}  [{where}]  {c.tensor.dtype}")
+    path.write_text("\n".join(lines) + "\n")
 
 
 def _first_failure(failed: CheckpointException) -> str:
@@ -235,7 +253,7 @@ class PendingLoad:
     path: Path
     metadata: Metadata
     keys: dict[str, str]                  # state name -> checkpoint key, for states it holds
-    optimizer_keys: dict[str, str] = field(default_factory=dict)
+    on_read: Callable[[list[Chunk]], None] = lambda chunks: None   # the dump
 
     def read(self, wanted: Mapping[str, StatePiece]) -> dict[str, torch.Tensor]:
         """This process's pieces of the ``wanted`` states the checkpoint holds."""
@@ -252,6 +270,7 @@ class PendingLoad:
                        for box in piece_boxes(piece)]
         if chunks:
             _read(self.path, chunks, [])
+            self.on_read(chunks)
         return out
 
 
@@ -300,6 +319,7 @@ def _load_local(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, 
         chunks.append(Chunk(key, shape, Box((0,) * len(shape), shape, (0,) * len(shape)),
                             dest))
     blobs = _read(path, chunks, [TRAINER_KEY])
+    _dump(engine, f"load_{path.name}", chunks)
     tensors.update(fresh)
     engine.state.refresh_optimizer_state()
     return json.loads(blobs[TRAINER_KEY])
@@ -318,8 +338,10 @@ def _load_rank(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, s
                          _box_of(state.tensors[name], box, box.local))
                    for box in piece_boxes(piece)]
     blobs = _read(path, chunks, [TRAINER_KEY])
-    engine.state.pending = PendingLoad(path, metadata,
-                                       {n: k for n, k in keys.items() if n not in placed})
+    _dump(engine, f"load_{path.name}_in_place", chunks)
+    engine.state.pending = PendingLoad(
+        path, metadata, {n: k for n, k in keys.items() if n not in placed},
+        lambda read: _dump(engine, f"load_{path.name}_placed_by_step", read))
     return json.loads(blobs[TRAINER_KEY])
 
 

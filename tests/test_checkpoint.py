@@ -302,3 +302,15 @@ def test_saving_mid_gradient_merge_cycle_is_refused(tmp_path):
 def test_loading_a_partial_or_missing_directory_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         gpt_engine(None).load(tmp_path / "nothing")
+
+
+def test_the_dump_lists_each_box_written_and_read(tmp_path):
+    engine = gpt_engine("tp", debug={"simulate": True, "dump_dir": str(tmp_path / "dumps")})
+    engine.fit(DATA, batch_size=4, epochs=1, steps_per_epoch=1, verbose=0)
+    engine.save(tmp_path / "ck")
+    text = (tmp_path / "dumps" / "rank0" / "checkpoint_save_ck.txt").read_text()
+    assert "model.blocks.0.attn.qkv.weight  [96, 32]  [16:32, 0:32]" in text
+    reader = gpt_engine(None, debug={"dump_dir": str(tmp_path / "dumps")})
+    reader.load(tmp_path / "ck")
+    text = (tmp_path / "dumps" / "rank0" / "checkpoint_load_ck.txt").read_text()
+    assert "model.blocks.0.attn.qkv.weight  [96, 32]  [0:96, 0:32]" in text
