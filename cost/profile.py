@@ -1,0 +1,188 @@
+"""The machine profile: measured compute curves and collective alpha-beta fits.
+
+Written by ``python -m autopar calibrate`` (cost/calibrate.py), read by the predictor and
+the planner, which evaluate it thousands of times: every lookup here is a bisect and a few
+float operations, nothing allocates.
+
+Units: sizes in FLOPs (matmul) or bytes (pointwise, collectives), times in seconds.
+
+How the pieces add up for one op: ``curve.seconds(size)`` is the time of the aten call
+itself as a tight loop of direct calls measures it (kernel + aten dispatch), and
+``op_overhead_s`` is what autopar's executor adds on top per op (generated-code Python, the
+kernel lookup, freeing); so an op costs ``curve.seconds(size) + op_overhead_s``.
+A collective costs ``AlphaBeta.seconds(bytes one rank sends)`` with the byte counts of
+``reshard/cost.py``'s ring formulas.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, PrivateAttr, field_validator
+
+__all__ = ["AlphaBeta", "Curve", "Profile", "ProfileNotFound", "COLLECTIVE_KINDS",
+           "default_profile", "default_profile_path", "REFERENCE_PROFILE"]
+
+# the collectives a plan may insert (send_recv: one pipeline message, bytes of the tensor)
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+                    "send_recv")
+
+REFERENCE_PROFILE = Path(__file__).with_name("reference_profile.json")
+
+
+class Curve(BaseModel):
+    """Measured ``(size, seconds)`` points, interpolated piecewise-linearly in log-log.
+
+    Above the largest point the throughput of the largest is kept (time grows linearly with
+    size). Below the smallest point the time stays that of the smallest: the smallest
+    measured op is already latency-bound, and a smaller one is not faster.
+    """
+
+    points: list[tuple[float, float]]
+    _log_sizes: list[float] = PrivateAttr(default_factory=list)
+    _log_times: list[float] = PrivateAttr(default_factory=list)
+
+    @field_validator("points")
+    @classmethod
+    def _check(cls, points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        if not points:
+            raise ValueError("a curve needs at least one measured (size, seconds) point")
+        for size, seconds in points:
+            if not (size > 0 and seconds > 0 and math.isfinite(size) and math.isfinite(seconds)):
+                raise ValueError(f"curve point ({size}, {seconds}): size and seconds must be "
+                                 "positive and finite")
+        sizes = [s for s, _ in points]
+        if sizes != sorted(sizes) or len(set(sizes)) != len(sizes):
+            raise ValueError(f"curve points must be sorted by strictly increasing size: {sizes}")
+        return points
+
+    def model_post_init(self, _context: object) -> None:
+        self._log_sizes = [math.log(s) for s, _ in self.points]
+        self._log_times = [math.log(t) for _, t in self.points]
+
+    def seconds(self, size: float) -> float:
+        """Predicted time of one call of ``size`` (FLOPs or bytes)."""
+        first, last = self.points[0], self.points[-1]
+        if size <= first[0]:
+            return first[1]
+        if size >= last[0]:
+            return last[1] * size / last[0]
+        x = math.log(size)
+        i = bisect.bisect_right(self._log_sizes, x)     # 1 <= i < len(points)
+        x0, x1 = self._log_sizes[i - 1], self._log_sizes[i]
+        y0, y1 = self._log_times[i - 1], self._log_times[i]
+        return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+    def throughput(self, size: float) -> float:
+        """Size per second at ``size`` (FLOP/s or bytes/s), for summaries."""
+        return size / self.seconds(size)
+
+
+class AlphaBeta(BaseModel):
+    """A collective's time as latency plus bytes over bandwidth, fitted by least squares."""
+
+    alpha_s: float               # latency per call
+    beta_s_per_byte: float       # per byte one rank sends (reshard/cost.py's byte counts)
+    r2: float | None = None      # fit quality of the measured points, for the summary
+
+    def seconds(self, nbytes: float) -> float:
+        """Time of one call in which a rank sends ``nbytes``; no bytes means no call."""
+        if nbytes <= 0:
+            return 0.0
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+class ProfileNotFound(FileNotFoundError):
+    """No calibrated profile where one was looked for."""
+
+
+def default_profile_path() -> Path:
+    """``$AUTOPAR_PROFILE``, else ``~/.cache/autopar/profile.json``."""
+    env = os.environ.get("AUTOPAR_PROFILE")
+    return Path(env) if env else Path.home() / ".cache" / "autopar" / "profile.json"
+
+
+class Profile(BaseModel):
+    """What ``python -m autopar calibrate`` measured on one machine."""
+
+    version: int = 1
+    machine: str                 # platform.node(), cpu count, torch version, backend
+    processes: int               # concurrent processes the compute curves were measured with
+    threads: int                 # torch threads per process during measurement
+    matmul: Curve                # size = FLOPs (2*m*n*k) of one mm/bmm/addmm call
+    pointwise: Curve             # size = bytes read + written by one memory-bound op
+    op_overhead_s: float         # what the executor adds per op on top of the aten call
+    collectives: dict[str, dict[int, AlphaBeta]]   # kind -> group size -> alpha/beta
+
+    @field_validator("collectives")
+    @classmethod
+    def _check_kinds(cls, collectives: dict[str, dict[int, AlphaBeta]]
+                     ) -> dict[str, dict[int, AlphaBeta]]:
+        unknown = sorted(set(collectives) - set(COLLECTIVE_KINDS))
+        if unknown:
+            raise ValueError(f"unknown collective kinds {unknown}; known: {COLLECTIVE_KINDS}")
+        for kind, by_size in collectives.items():
+            bad = [n for n in by_size if n < 2]
+            if bad:
+                raise ValueError(f"{kind}: group sizes {bad} (a collective needs 2+ ranks)")
+        return collectives
+
+    def alpha_beta(self, kind: str, group_size: int) -> AlphaBeta:
+        """The fit for ``kind`` over ``group_size`` ranks. A size that was not measured (a
+        planner sizing 8 devices from a 4-process machine) is estimated from the nearest
+        measured one: beta (per byte a rank sends) kept, alpha scaled by the ring's steps
+        ``(n-1)/(m-1)``."""
+        by_size = self.collectives.get(kind)
+        if not by_size:
+            raise KeyError(f"the profile has no '{kind}' collective (it has "
+                           f"{sorted(self.collectives)}); recalibrate with "
+                           "`python -m autopar calibrate`")
+        if group_size in by_size:
+            return by_size[group_size]
+        if group_size < 2:
+            raise ValueError(f"{kind} over {group_size} rank(s): no collective is needed")
+        nearest = min(by_size, key=lambda m: (abs(m - group_size), -m))
+        fit = by_size[nearest]
+        scale = (group_size - 1) / (nearest - 1)
+        return AlphaBeta(alpha_s=fit.alpha_s * scale, beta_s_per_byte=fit.beta_s_per_byte)
+
+    def collective_seconds(self, kind: str, group_size: int, nbytes: float) -> float:
+        """Time of one ``kind`` over ``group_size`` ranks in which a rank sends ``nbytes``."""
+        if group_size < 2 or nbytes <= 0:
+            return 0.0
+        return self.alpha_beta(kind, group_size).seconds(nbytes)
+
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        """Write as JSON (default: ``default_profile_path()``); returns the path."""
+        target = Path(path) if path is not None else default_profile_path()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        partial.write_text(self.model_dump_json(indent=1) + "\n")
+        partial.replace(target)
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> Profile:
+        """Read a profile (default: ``default_profile_path()``)."""
+        source = Path(path) if path is not None else default_profile_path()
+        if not source.is_file():
+            raise ProfileNotFound(
+                f"no autopar cost profile at {source}: run `python -m autopar calibrate` on "
+                "this machine to measure one (or set $AUTOPAR_PROFILE to a profile file; "
+                "Profile.reference() is the one measured on the development machine)")
+        return cls.model_validate_json(source.read_text())
+
+    @classmethod
+    def reference(cls) -> Profile:
+        """The profile measured on autopar's development machine (2 cores, gloo, 4
+        processes), shipped with the package: for tests and as an explicitly labelled
+        fallback, never a measurement of the machine at hand."""
+        return cls.load(REFERENCE_PROFILE)
+
+
+def default_profile() -> Profile:
+    """The calibrated profile of this machine; raises ``ProfileNotFound`` telling the user to
+    run ``python -m autopar calibrate`` when there is none."""
+    return Profile.load(default_profile_path())

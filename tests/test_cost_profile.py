@@ -1,0 +1,114 @@
+"""The cost profile: curve interpolation and extrapolation, alpha-beta fits, save/load,
+the missing-profile error, the shipped reference profile, and one quick calibration on 2
+real gloo ranks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from autopar.cost import AlphaBeta, Curve, Profile, ProfileNotFound, default_profile
+
+
+def _profile(**update) -> Profile:
+    fields = dict(
+        machine="test", processes=2, threads=1,
+        matmul=Curve(points=[(1e3, 1e-6), (1e6, 1e-4), (1e9, 1e-1)]),
+        pointwise=Curve(points=[(64.0, 2e-6), (6.4e7, 1e-2)]),
+        op_overhead_s=5e-6,
+        collectives={"all_reduce": {2: AlphaBeta(alpha_s=1e-4, beta_s_per_byte=1e-9),
+                                    4: AlphaBeta(alpha_s=3e-4, beta_s_per_byte=2e-9)},
+                     "send_recv": {2: AlphaBeta(alpha_s=5e-5, beta_s_per_byte=5e-10)}})
+    fields.update(update)
+    return Profile(**fields)
+
+
+def test_curve_hits_its_points_and_interpolates_in_log_log():
+    curve = Curve(points=[(1e3, 1e-6), (1e6, 1e-4), (1e9, 1e-1)])
+    for size, seconds in curve.points:
+        assert curve.seconds(size) == pytest.approx(seconds, rel=1e-12)
+    # halfway in log size between 1e3 and 1e6 is halfway in log time: sqrt(1e-6 * 1e-4)
+    assert curve.seconds(math.sqrt(1e3 * 1e6)) == pytest.approx(1e-5, rel=1e-12)
+    # a power law between two points: t = 1e-4 * (s / 1e6)^(log(1e3)/log(1e3)) = linear
+    assert curve.seconds(1e7) == pytest.approx(1e-3, rel=1e-12)
+
+
+def test_curve_extrapolates_at_constant_throughput_above_and_flat_below():
+    curve = Curve(points=[(1e3, 1e-6), (1e6, 1e-4)])
+    assert curve.seconds(4e6) == pytest.approx(4e-4, rel=1e-12)    # last point's throughput
+    assert curve.throughput(1e8) == pytest.approx(1e10, rel=1e-12)
+    assert curve.seconds(10.0) == 1e-6                              # latency-bound floor
+    assert curve.seconds(0.0) == 1e-6
+    single = Curve(points=[(100.0, 2e-6)])
+    assert single.seconds(50.0) == 2e-6 and single.seconds(400.0) == pytest.approx(8e-6)
+
+
+def test_curve_is_monotone_when_its_points_are():
+    curve = Curve(points=[(1e3, 1e-6), (1e5, 3e-6), (1e7, 2e-4), (1e9, 2e-2)])
+    sizes = [10 ** (k / 10) for k in range(10, 110)]
+    times = [curve.seconds(s) for s in sizes]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+
+
+@pytest.mark.parametrize("points, words", [
+    ([], "at least one"),
+    ([(1e3, 1e-6), (1e2, 1e-5)], "increasing"),
+    ([(1e3, 1e-6), (1e3, 1e-5)], "increasing"),
+    ([(1e3, 0.0)], "positive"),
+    ([(-1.0, 1e-6)], "positive"),
+    ([(1e3, float("nan"))], "positive"),
+])
+def test_curve_refuses_bad_points(points, words):
+    with pytest.raises(ValidationError, match=words):
+        Curve(points=points)
+
+
+def test_alpha_beta_is_latency_plus_bytes_and_no_bytes_is_no_call():
+    fit = AlphaBeta(alpha_s=1e-4, beta_s_per_byte=1e-9)
+    assert fit.seconds(1e6) == pytest.approx(1e-4 + 1e-3)
+    assert fit.seconds(0) == 0.0
+
+
+def test_profile_looks_up_measured_groups_and_estimates_others():
+    profile = _profile()
+    assert profile.alpha_beta("all_reduce", 4).alpha_s == 3e-4
+    assert profile.collective_seconds("all_reduce", 2, 1e6) == pytest.approx(1e-4 + 1e-3)
+    # 8 ranks from the nearest measured (4): ring steps 7/3, same per-byte cost
+    eight = profile.alpha_beta("all_reduce", 8)
+    assert eight.alpha_s == pytest.approx(3e-4 * 7 / 3) and eight.beta_s_per_byte == 2e-9
+    three = profile.alpha_beta("all_reduce", 3)     # a tie goes to the larger group
+    assert three.alpha_s == pytest.approx(3e-4 * 2 / 3)
+    assert profile.collective_seconds("all_reduce", 1, 1e6) == 0.0
+    with pytest.raises(KeyError, match="'all_gather'.*calibrate"):
+        profile.alpha_beta("all_gather", 2)
+
+
+def test_profile_refuses_unknown_kinds_and_single_rank_groups():
+    with pytest.raises(ValidationError, match="unknown collective kinds"):
+        _profile(collectives={"allreduce": {2: AlphaBeta(alpha_s=1e-4, beta_s_per_byte=0)}})
+    with pytest.raises(ValidationError, match="group sizes"):
+        _profile(collectives={"all_reduce": {1: AlphaBeta(alpha_s=1e-4, beta_s_per_byte=0)}})
+
+
+def test_profile_save_load_round_trip(tmp_path, monkeypatch):
+    profile = _profile()
+    path = profile.save(tmp_path / "sub" / "p.json")
+    loaded = Profile.load(path)
+    assert loaded == profile
+    assert loaded.collectives["all_reduce"][4].alpha_s == 3e-4     # int keys back from JSON
+    assert loaded.matmul.seconds(3e7) == profile.matmul.seconds(3e7)
+    monkeypatch.setenv("AUTOPAR_PROFILE", str(path))
+    assert default_profile() == profile
+    assert _profile(machine="other").save() == path                  # default path too
+    assert default_profile().machine == "other"
+
+
+def test_missing_profile_tells_the_user_to_calibrate(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_PROFILE", str(tmp_path / "none.json"))
+    with pytest.raises(ProfileNotFound, match=r"none\.json.*python -m autopar calibrate"):
+        default_profile()
+    monkeypatch.delenv("AUTOPAR_PROFILE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"\.cache/autopar/profile\.json"):
+        default_profile()
