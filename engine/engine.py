@@ -271,6 +271,8 @@ class Engine:
         self.stop_training = False
         start, skip = self.resume_at or (0, 0)
         self.resume_at = None
+        if (start, skip) != (0, 0):
+            _warn_unseeded_loader(train_data, self.is_logging_rank)
         hooks.call("on_train_begin", {})
         for epoch in range(start, epochs):
             self.epoch, self.batch_in_epoch = epoch, skip
@@ -488,6 +490,18 @@ class Engine:
             path = Path(self.dump_dir) / "pipeline_trace.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(chrome_trace(events)))
+
+
+def _warn_unseeded_loader(data: Any, logging_rank: bool) -> None:
+    """Resuming replays an epoch's order up to the checkpoint's batch: a DataLoader that
+    shuffles with the global generator draws another order in a new process."""
+    sampler = getattr(data, "sampler", None)
+    if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None \
+            and logging_rank:
+        warnings.warn("resuming with a DataLoader that shuffles with torch's global generator: "
+                      "its order differs from the interrupted run's; give it "
+                      "generator=torch.Generator().manual_seed(...), or pass the dataset "
+                      "and fit(shuffle=True), which seeds each epoch", stacklevel=3)
 
 
 def _device(model: torch.nn.Module) -> torch.device:

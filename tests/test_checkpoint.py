@@ -314,3 +314,14 @@ def test_the_dump_lists_each_box_written_and_read(tmp_path):
     reader.load(tmp_path / "ck")
     text = (tmp_path / "dumps" / "rank0" / "checkpoint_load_ck.txt").read_text()
     assert "model.blocks.0.attn.qkv.weight  [96, 32]  [0:96, 0:32]" in text
+
+
+def test_resuming_with_an_unseeded_shuffling_loader_warns(tmp_path):
+    engine = gpt_engine(None)
+    engine.fit(DATA, batch_size=4, epochs=1, steps_per_epoch=2, verbose=0)
+    engine.save(tmp_path / "ck")
+    again = gpt_engine(None)
+    again.load(tmp_path / "ck")
+    loader = torch.utils.data.DataLoader(DATA, batch_size=4, shuffle=True)
+    with pytest.warns(UserWarning, match="shuffles with torch's global generator"):
+        again.fit(loader, epochs=2, steps_per_epoch=2, verbose=0)
