@@ -25,7 +25,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
-from ..ir.dist import Partial, local_runs
+from ..ir.dist import Partial, local_runs, micro_batch_dim
 from ..lower.executable import StatePiece
 
 __all__ = ["Box", "piece_boxes", "writes_piece", "checkpoint_key"]
@@ -80,8 +80,13 @@ def writes_piece(piece: StatePiece) -> bool:
     if partial:
         raise ValueError(f"state {piece.name!r} is {piece.dist}: a partial value has no "
                          "boxes to checkpoint (its terms are not the value)")
-    replicas = [(c, n) for p, c, n in zip(piece.dist.placements, piece.coordinate,
-                                           piece.dist.mesh.shape) if not p.is_shard()]
+    # a pipeline's micro-batch dim is no replica: its "ranks" are this one process at
+    # different times (coordinate 0 on every process)
+    mb = micro_batch_dim(piece.dist.mesh)
+    replicas = [(c, n) for d, (p, c, n) in enumerate(zip(piece.dist.placements,
+                                                         piece.coordinate,
+                                                         piece.dist.mesh.shape))
+                if not p.is_shard() and d != mb]
     index = 0
     for c, n in replicas:              # this process's index among the replicas
         index = index * n + c
