@@ -80,13 +80,14 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike) -> Path:
     blobs = {TRAINER_KEY: json.dumps(_trainer_state(engine)).encode()}
     try:
         with _single_process_quietly():
-            dcp.save({}, storage_writer=FileSystemWriter(target.partial),
-                     planner=BoxSavePlanner(chunks, blobs), no_dist=not distributed)
+            written = dcp.save({}, storage_writer=FileSystemWriter(target.partial),
+                               planner=BoxSavePlanner(chunks, blobs), no_dist=not distributed)
     except CheckpointException as failed:
         raise CheckpointError(f"save to {target.final} failed on rank(s) "
                               f"{sorted(failed.failures)}: {_first_failure(failed)}; it stays "
                               f"{target.partial.name} and earlier checkpoints are intact"
                               ) from failed
+    _check_complete(engine, written, target)     # every process sees the same metadata
     if coordinator:
         target.commit()
     _barrier(distributed)
@@ -109,6 +110,18 @@ def _dump(engine: Engine, name: str, chunks: list[Chunk]) -> None:
         where = ", ".join(f"{o}:{o + n}" for o, n in zip(c.box.offsets, c.box.sizes))
         lines.append(f"{c.key}  {list(c.shape)}  [{where}]  {c.tensor.dtype}")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _check_complete(engine: Engine, written: Metadata, target: CheckpointDir) -> None:
+    """Every parameter and persistent buffer has boxes in the checkpoint (DCP checks that the
+    boxes of each key it got tile it; a key no process wrote would go unnoticed)."""
+    module = _written_keys(engine, engine.state.module_state_names())
+    missing = sorted(k for keys in module.values() for k in keys
+                     if k not in written.state_dict_metadata)
+    if missing:
+        raise CheckpointError(f"save to {target.final}: no process wrote {', '.join(missing[:10])}"
+                              f"{' ...' if len(missing) > 10 else ''}; it stays "
+                              f"{target.partial.name}")
 
 
 def _first_failure(failed: CheckpointException) -> str:

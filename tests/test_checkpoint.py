@@ -325,3 +325,17 @@ def test_resuming_with_an_unseeded_shuffling_loader_warns(tmp_path):
     loader = torch.utils.data.DataLoader(DATA, batch_size=4, shuffle=True)
     with pytest.warns(UserWarning, match="shuffles with torch's global generator"):
         again.fit(loader, epochs=2, steps_per_epoch=2, verbose=0)
+
+
+def test_a_value_no_process_writes_fails_the_save(tmp_path, monkeypatch):
+    """A writer rule that leaves a value to nobody is caught before the commit."""
+    from autopar.engine import checkpointing
+    engine = gpt_engine("dp")
+    engine.fit(DATA, batch_size=4, epochs=1, steps_per_epoch=1, verbose=0)
+    rule = checkpointing.writes_piece
+    monkeypatch.setattr(checkpointing, "writes_piece",
+                        lambda piece: piece.name != "wte.weight" and rule(piece))
+    with pytest.raises(CheckpointError, match="no process wrote model.head.weight, "
+                                              "model.wte.weight"):
+        engine.save(tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
