@@ -299,6 +299,157 @@ def train_callbacks(out_dir: str, epochs: str) -> dict:
             "printed": printed.getvalue()}
 
 
+# -- checkpoints (tests/test_checkpoint_ranks.py) -------------------------------------------
+
+from autopar.engine.callbacks import Callback  # noqa: E402
+
+CKPT_BATCH = 4
+
+
+def _ckpt_engine(config: str, timeout_s: float | None = None) -> ap.Engine:
+    """The checkpoint tests' recipe: the AdamW GPT of ``parity_gpt`` (dropout 0.1, so each
+    step's seed matters) with ``gpt_optimizer``'s warmup schedule, on ``configs/<config>``."""
+    from autopar.models.gpt import lm_loss
+    model = parity_gpt("adamw", dropout=0.1)
+    optimizer, scheduler = gpt_optimizer("adamw", model)
+    strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml")
+    if timeout_s is not None:
+        strategy = strategy.model_copy(update={"collective_timeout_s": timeout_s})
+    return ap.Engine(model, lm_loss, optimizer, strategy=strategy, lr_scheduler=scheduler)
+
+
+def _ckpt_fit(engine: ap.Engine, save_dir: str, save_freq: int, epochs: int, n_batches: int,
+              resume: bool = False, callbacks: list | None = None) -> dict:
+    """``fit`` over ``n_batches`` shuffled batches per epoch, checkpointing every
+    ``save_freq`` steps into ``save_dir`` (keeping them all); the losses and the final
+    parameters."""
+    data = lm_data(n_batches * CKPT_BATCH, 16, 64)
+    history = engine.fit(data, batch_size=CKPT_BATCH, epochs=epochs, shuffle=True, verbose=0,
+                         save_dir=save_dir, save_freq=save_freq, keep_last=1000,
+                         resume=resume, callbacks=callbacks)
+    return {"loss": history["loss"], "state": _cloned(engine.state_dict())}
+
+
+def _cloned(state: dict) -> dict:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in state.items()}
+
+
+def _layout(engine: ap.Engine) -> dict:
+    """This rank's pieces of the model's state: pipeline stage owning each, how many boxes
+    the piece is, whether this rank writes it to a checkpoint."""
+    from autopar.checkpoint.layout import piece_boxes, writes_piece
+    state = engine.runtime.state
+    pieces = {n: state.pieces[n] for n in engine.state.module_state_names()}
+    return {"pp": state.pipeline.pp if state.pipeline is not None else None,
+            "pieces": {n: {"owner": p.owner, "boxes": len(piece_boxes(p)),
+                           "writes": writes_piece(p), "held": state.tensors.get(n) is not None}
+                       for n, p in pieces.items()}}
+
+
+class _CaptureAtSaves(Callback):
+    """After ``ModelCheckpoint``: the parameters and torch's optimizer state at each
+    checkpointed step, as ``state_dict`` gathers them."""
+
+    def __init__(self, save_freq: int):
+        self.save_freq, self.captured = save_freq, {}
+
+    def on_step_end(self, step: int, logs: dict) -> None:
+        engine = self.engine
+        if engine.global_step % self.save_freq == 0:
+            state = _cloned(engine.state_dict())
+            optim = {i: _cloned(s) for i, s in engine.optimizer.state_dict()["state"].items()}
+            self.captured[engine.global_step] = {"state": state, "optim": optim}
+
+
+def ckpt_train(config: str, save_dir: str, save_freq: str, epochs: str, n_batches: str) -> dict:
+    """The uninterrupted run: checkpoints every ``save_freq`` steps, each step's loss, the
+    state at each checkpoint and at the end, this rank's layout."""
+    engine = _ckpt_engine(config)
+    capture = _CaptureAtSaves(int(save_freq))
+    out = _ckpt_fit(engine, save_dir, int(save_freq), int(epochs), int(n_batches),
+                    callbacks=[capture])
+    return {**out, "captured": capture.captured, "layout": _layout(engine)}
+
+
+def ckpt_resume(config: str, save_dir: str, save_freq: str, epochs: str, n_batches: str
+                ) -> dict:
+    """A fresh process resuming from the newest checkpoint in ``save_dir`` (``fit(...,
+    resume=True)``) and training to the end of the run."""
+    engine = _ckpt_engine(config)
+    return _ckpt_fit(engine, save_dir, int(save_freq), int(epochs), int(n_batches),
+                     resume=True)
+
+
+def ckpt_until_killed(config: str, save_dir: str, save_freq: str, epochs: str, n_batches: str,
+                      marker_dir: str) -> dict:
+    """The run of ``ckpt_train`` until the test kills a rank: once a checkpoint exists each
+    rank writes ``<marker_dir>/rank<R>.pid`` and from then on rests 0.5 s after each step,
+    so the kill lands long before the run ends. A collective timeout of 60 s bounds how
+    long a peer of a hung (not dead) rank waits."""
+    import time
+
+    from autopar.checkpoint.store import latest_checkpoint
+
+    class MarkAndSlow(Callback):
+        def on_step_end(self, step: int, logs: dict) -> None:
+            marker = Path(marker_dir) / f"rank{os.environ['RANK']}.pid"
+            if marker.exists():
+                time.sleep(0.5)
+            elif latest_checkpoint(save_dir) is not None:
+                marker.write_text(str(os.getpid()))
+
+    engine = _ckpt_engine(config, timeout_s=60.0)
+    _ckpt_fit(engine, save_dir, int(save_freq), int(epochs), int(n_batches),
+              callbacks=[MarkAndSlow()])
+    raise AssertionError("the test should have killed a rank before the run ended")
+
+
+def ckpt_load(path: str, epochs: str, n_batches: str, *configs: str) -> dict:
+    """Per config in turn, a fresh engine loads the checkpoint at ``path`` before any step
+    (its pieces are read when a step places them): the parameters an evaluation placed,
+    then ``fit`` on from the checkpoint's data position: its losses and final parameters."""
+    results = {}
+    data = lm_data(int(n_batches) * CKPT_BATCH, 16, 64)
+    for config in configs:
+        engine = _ckpt_engine(config)
+        engine.load(path)
+        engine.evaluate(data[:CKPT_BATCH], batch_size=CKPT_BATCH)
+        loaded = _cloned(engine.state_dict())
+        history = engine.fit(data, batch_size=CKPT_BATCH, epochs=int(epochs), shuffle=True,
+                             verbose=0)
+        results[config] = {"loaded": loaded, "loss": history["loss"],
+                           "state": _cloned(engine.state_dict())}
+    return results
+
+
+def ckpt_crash_save(save_dir: str) -> dict:
+    """dp2: a first checkpoint saved after one step, then a second after another step whose
+    write raises on rank 1 only (DCP's ``FileSystemWriter.write_data``): what each rank's
+    ``save`` raised and whether ``except Exception`` catches it, the parameters at the
+    first save."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    engine = _ckpt_engine("dp", timeout_s=60.0)
+    data = lm_data(2 * CKPT_BATCH, 16, 64)
+    x, y = (torch.stack(t) for t in zip(*data[:CKPT_BATCH]))
+    engine.train_step(x, y)
+    engine.save(Path(save_dir) / "step_00000001")
+    first = _cloned(engine.state_dict())
+    x, y = (torch.stack(t) for t in zip(*data[CKPT_BATCH:]))
+    engine.train_step(x, y)
+    if os.environ["RANK"] == "1":
+        def failing(self, plan, planner):
+            raise OSError("disk full (planted by ckpt_crash_save on rank 1)")
+        FileSystemWriter.write_data = failing
+    try:
+        engine.save(Path(save_dir) / "step_00000002")
+        error, catchable = None, None
+    except BaseException as err:   # the test inspects what each rank got (DCP's own
+        # CheckpointException is a BaseException, which ``except Exception`` misses)
+        error, catchable = f"{type(err).__name__}: {err}", isinstance(err, Exception)
+    return {"first": first, "error": error, "catchable": catchable}
+
+
 def export_full(config: str, path: str, steps: str, meta: str) -> dict:
     """The GPT of ``parity_gpt`` (tied embedding and head; built on the meta device when
     ``meta`` is "1") trained ``steps`` steps on ``configs/<config>.yaml``, then exported
@@ -324,6 +475,9 @@ SCENARIOS = {"train_scaled": train_scaled,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
              "train_merge": train_merge, "amp_ranks": amp_ranks,
              "train_callbacks": train_callbacks,
+             "ckpt_train": ckpt_train, "ckpt_resume": ckpt_resume,
+             "ckpt_until_killed": ckpt_until_killed, "ckpt_load": ckpt_load,
+             "ckpt_crash_save": ckpt_crash_save,
              "export_full": export_full}
 
 
