@@ -1,5 +1,5 @@
-"""Command line: ``python -m autopar demo``, ``python -m autopar plan`` and ``python -m autopar
-export``."""
+"""Command line: ``python -m autopar demo``, ``python -m autopar plan``, ``python -m autopar
+export`` and ``python -m autopar calibrate``."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,17 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("checkpoint", help="a checkpoint directory written by Engine.save")
     export.add_argument("out", help="the .safetensors file, or a directory for "
                                     "OUT/model.safetensors")
+    calibrate = sub.add_parser(
+        "calibrate", help="measure this machine's compute and collective costs with "
+                          "the processes training runs (the profile the cost model reads)")
+    calibrate.add_argument("--processes", type=int, default=None,
+                           help="concurrent processes, as many as training launches "
+                                "(default: WORLD_SIZE under torchrun, else 4)")
+    calibrate.add_argument("--out", default=None,
+                           help="profile file (default: $AUTOPAR_PROFILE, else "
+                                "~/.cache/autopar/profile.json)")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="fewer sizes and repeats: seconds, not a minute")
     argv = list(sys.argv[1:] if argv is None else argv)
     # plan's own options anywhere; the script's arguments after "--"
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -50,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "export":
         from .checkpoint.export import consolidate
         print(consolidate(args.checkpoint, args.out))
+    elif args.command == "calibrate":
+        run_calibrate(args)
 
 
 def run_demo(args: argparse.Namespace, argv: list[str]) -> None:
@@ -65,6 +78,21 @@ def run_demo(args: argparse.Namespace, argv: list[str]) -> None:
     if "WORLD_SIZE" not in os.environ and ranks > 1:
         sys.exit(launch(argv[1:], ranks))
     demo_main(args.steps, args.batch_size, args.dump_dir, strategy, resume=args.resume)
+
+
+def run_calibrate(args: argparse.Namespace) -> None:
+    """Under torchrun (or for one process): measure on this rank. Otherwise launch the
+    processes through torchrun."""
+    import os
+
+    from .cost.calibrate import launch, run
+    if "WORLD_SIZE" not in os.environ:
+        args.processes = args.processes or 4
+        if args.processes > 1:
+            sys.exit(launch([f"--processes={args.processes}",
+                             *([f"--out={args.out}"] if args.out else []),
+                             *(["--quick"] if args.quick else [])], args.processes))
+    run(args.processes, args.out, args.quick)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@ real gloo ranks."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 from pydantic import ValidationError
 
 from autopar.cost import AlphaBeta, Curve, Profile, ProfileNotFound, default_profile
+from autopar.cost.calibrate import fit_alpha_beta, group_sizes, monotone_curve
+from autopar.cost.profile import COLLECTIVE_KINDS
 
 
 def _profile(**update) -> Profile:
@@ -112,3 +116,52 @@ def test_missing_profile_tells_the_user_to_calibrate(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"\.cache/autopar/profile\.json"):
         default_profile()
+
+
+def test_fit_recovers_a_line_and_never_goes_below_zero():
+    line = [(b, 2e-4 + 1e-9 * b) for b in (1e3, 1e4, 1e5, 1e6, 1e7)]
+    fit = fit_alpha_beta(line)
+    assert fit.alpha_s == pytest.approx(2e-4, rel=1e-6)
+    assert fit.beta_s_per_byte == pytest.approx(1e-9, rel=1e-6)
+    assert fit.r2 == pytest.approx(1.0)
+    # convex points pull a free line's intercept below zero: refit through the origin
+    convex = [(1e3, 1e-7), (1e6, 1e-4), (1e7, 1e-2)]
+    assert fit_alpha_beta(convex).alpha_s == 0.0 and fit_alpha_beta(convex).beta_s_per_byte > 0
+    noisy = [(1e3, 3e-4), (1e4, 1e-4), (1e5, 2e-4)]
+    assert fit_alpha_beta(noisy).r2 < 0.9
+
+
+def test_monotone_curve_never_predicts_a_bigger_op_faster():
+    curve = monotone_curve((1e3, 1e4, 1e5, 1e6), [3e-6, 2e-6, 4e-6, 3e-5])
+    assert curve.points == [(1e3, 3e-6), (1e4, 3e-6), (1e5, 4e-6), (1e6, 3e-5)]
+
+
+def test_group_sizes_are_the_mesh_dims_a_launch_allows():
+    assert group_sizes(4) == [2, 4]
+    assert group_sizes(6) == [2, 3, 6]
+    assert group_sizes(1) == []
+
+
+def test_quick_calibration_on_two_gloo_ranks(tmp_path):
+    """The CLI launches 2 processes through torchrun and rank 0 writes a valid profile."""
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "autopar", "calibrate", "--processes", "2",
+                           "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "GFLOP/s" in done.stdout and "R^2" in done.stdout and str(out) in done.stdout
+    profile = Profile.load(out)
+    assert (profile.processes, profile.threads) == (2, 1)
+    assert "gloo" in profile.machine
+    assert set(profile.collectives) == set(COLLECTIVE_KINDS)
+    for kind, by_size in profile.collectives.items():
+        assert list(by_size) == [2], kind                  # the one mesh dim 2 ranks allow
+        fit = by_size[2]
+        assert 0 <= fit.alpha_s < 1 and 0 <= fit.beta_s_per_byte < 1e-6, (kind, fit)
+        assert fit.seconds(1e6) > 0 and math.isfinite(fit.r2)
+    assert 0 <= profile.op_overhead_s < 1e-3
+    # sanity, not speed: a big matmul or add runs at a far higher rate than a tiny one
+    mm, pw = profile.matmul, profile.pointwise
+    assert mm.throughput(mm.points[-1][0]) > 3 * mm.throughput(mm.points[0][0])
+    assert pw.throughput(pw.points[-1][0]) > 3 * pw.throughput(pw.points[0][0])
+    assert all(t < 1.0 for _, t in mm.points + pw.points)

@@ -1,0 +1,452 @@
+"""``python -m autopar calibrate``: measure this machine's profile (cost/profile.py).
+
+Every measurement runs inside each of the ``--processes`` concurrently running processes,
+with the thread count those processes have (torchrun's one thread each, as training gets),
+because a training job on N ranks of one machine shares its cores: a curve measured by one
+process alone would be N/cores times too fast.
+
+* compute: ``aten.mm`` over FLOPs (square and activation-by-weight shapes, fp32) and
+  memory-bound ``aten.add``/``mul``/``gelu`` over bytes read + written, through the very
+  callables the generated code calls (``ir.ops.resolve``). Each point is timed as batches of
+  back-to-back calls long enough to span the scheduler's time slices (a single tiny call is
+  timed while its process holds a core, whatever the contention), median of the batches,
+  after a warm-up; every size starts behind a barrier so all processes load the machine
+  together. The point is the median over processes.
+* executor overhead: a generated program (``runtime.codegen.generate``, as every step runs)
+  of many tiny adds, per op, minus the same add called directly: what autopar adds per op
+  on top of the aten call the curves already include.
+* collectives: the runtime's own collectives (``runtime.collectives.bind_step``: the clone,
+  padding and ordering they do included) on the groups ``runtime.process_groups`` makes for
+  a mesh dim of each group size the launch allows, all groups at once, from ~1 KB to ~16 MB;
+  broadcast and send/recv (a ping-pong between pairs, as pipeline messages travel) with
+  c10d directly. alpha and beta are a least-squares line through the median times over the
+  bytes one rank sends (``reshard.cost.reshard_bytes``; broadcast and send/recv: the
+  tensor's bytes), weighted by 1/time so small messages count as much as big ones.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..ir import Op, OpKind, Program, Slot, StateKind, TensorType, Value
+from ..ir.attrs import NAME, SLOTS, STATE
+from ..ir.dist import Partial, ProcessMesh, Replicate, Shard
+from ..ir.ops import resolve
+from ..lower.executable import StepComm
+from ..reshard.cost import reshard_bytes
+from ..reshard.steps import AllGather, AllReduce, AllToAll, ReduceScatter
+from ..runtime.codegen import generate
+from ..runtime.collectives import bind_step
+from ..runtime.process_groups import init_distributed, mesh_groups, shutdown
+from .profile import COLLECTIVE_KINDS, AlphaBeta, Curve, Profile
+
+__all__ = ["Settings", "calibrate", "run", "launch", "summary", "fit_alpha_beta"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to measure and how long: the default takes about a minute on 2 cores with 4
+    processes, ``quick`` a few seconds (tests)."""
+
+    matmul_flops: tuple[float, ...]
+    pointwise_bytes: tuple[float, ...]
+    collective_bytes: tuple[int, ...]     # the full tensor, before the group cuts it
+    batch_s: float                        # one timed batch of compute calls
+    repeats: int                          # timed batches of each compute point
+    comm_repeats: int                     # timed calls of each collective point
+    overhead_ops: int = 256
+
+    @classmethod
+    def default(cls) -> Settings:
+        return cls(matmul_flops=tuple(10 ** (k / 2) for k in range(6, 19)),
+                   pointwise_bytes=tuple(float(4 ** k) for k in range(3, 14)),
+                   collective_bytes=tuple(4 ** k for k in range(5, 13)),
+                   batch_s=0.02, repeats=9, comm_repeats=15)
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(matmul_flops=(1e3, 1e5, 1e7), pointwise_bytes=(256.0, 16384.0, 1048576.0),
+                   collective_bytes=(1024, 65536, 1048576), batch_s=0.004, repeats=3,
+                   comm_repeats=3, overhead_ops=64)
+
+
+# ------------------------------------------------------------------------------- timing
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _seconds_per_call(fn: Callable[[], object], batch_s: float, repeats: int) -> float:
+    """Median over ``repeats`` batches of the time per call, a batch being as many calls as
+    fill ``batch_s`` (at least one), after a warm-up call; starts behind a barrier."""
+    _barrier()
+    start = time.perf_counter()
+    fn()
+    calls = max(1, round(batch_s / max(time.perf_counter() - start, 1e-7)))
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls)
+    return statistics.median(per_call)
+
+
+def _kernel(target: str) -> Callable:
+    """The callable the generated code calls for ``target``."""
+    fn = resolve(target)
+    return getattr(fn, "_op", fn)
+
+
+# ------------------------------------------------------------------------------ compute
+
+
+def _matmul_shapes(flops: float) -> list[tuple[int, int, int]]:
+    """(m, k, n) near ``flops`` = 2mkn: a square one and an activation-by-weight one (many
+    rows, a 4x wider output, as an MLP's first Linear)."""
+    s = max(1, round((flops / 2) ** (1 / 3)))
+    d = max(1, round((flops / 128) ** (1 / 3)))
+    return [(s, s, s), (16 * d, d, 4 * d)]
+
+
+def _matmul_point(flops: float, settings: Settings) -> float:
+    """Seconds of one mm of ``flops``: the shapes' mean (geometric) throughput."""
+    mm = _kernel("aten.mm.default")
+    rates = []
+    for m, k, n in _matmul_shapes(flops):
+        a, b = torch.randn(m, k), torch.randn(n, k).t()     # a Linear's transposed weight
+        seconds = _seconds_per_call(lambda: mm(a, b), settings.batch_s, settings.repeats)
+        rates.append(2 * m * k * n / seconds)
+    return flops / math.exp(statistics.fmean(math.log(r) for r in rates))
+
+
+# (target, tensor inputs, bytes read + written per element, fp32)
+POINTWISE = (("aten.add.Tensor", 2, 12), ("aten.mul.Tensor", 2, 12), ("aten.gelu.default", 1, 8))
+
+
+def _pointwise_point(nbytes: float, settings: Settings) -> float:
+    """Seconds of one memory-bound op moving ``nbytes``: the ops' mean throughput."""
+    rates = []
+    for target, inputs, per_element in POINTWISE:
+        fn, n = _kernel(target), max(1, round(nbytes / per_element))
+        args = [torch.randn(n) for _ in range(inputs)]
+        seconds = _seconds_per_call(lambda: fn(*args), settings.batch_s, settings.repeats)
+        rates.append(n * per_element / seconds)
+    return nbytes / math.exp(statistics.fmean(math.log(r) for r in rates))
+
+
+def _tiny_add_program(ops: int) -> Program:
+    """``ops`` chained adds of a 16-element input and a state tensor, as capture makes them."""
+    value = TensorType((16,), torch.float32)
+    x = Op(OpKind.INPUT, "input", outputs=[Value(value)], attrs={NAME: "x"})
+    w = Op(OpKind.STATE, "state", outputs=[Value(value)],
+           attrs={STATE: StateKind.PARAM, NAME: "w"})
+    program, last = Program(), x.outputs[0]
+    program.add(x)
+    program.add(w)
+    for _ in range(ops):
+        op = program.add(Op(OpKind.CALL, "aten.add.Tensor", args=(last, w.outputs[0]),
+                            outputs=[Value(value)]))
+        last = op.outputs[0]
+    program.add(Op(OpKind.OUTPUT, "output", args=(last,),
+                   attrs={SLOTS: (Slot("output", "0"),)}))
+    return program
+
+
+def _executor_overhead(settings: Settings) -> tuple[float, float]:
+    """(executor seconds per tiny op, the same op called directly): batches of the two
+    interleaved, so a load that comes and goes shifts both alike; medians."""
+    ops = settings.overhead_ops
+    fn, _ = generate(_tiny_add_program(ops))
+    feeds, state = {"x": torch.randn(16)}, {"w": torch.randn(16)}
+    add, x, w = _kernel("aten.add.Tensor"), feeds["x"], state["w"]
+    _barrier()
+    fn(feeds, state)
+    start = time.perf_counter()
+    fn(feeds, state)
+    calls = max(1, round(settings.batch_s / max(time.perf_counter() - start, 1e-7)))
+    program, direct = [], []
+    for _ in range(settings.repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(feeds, state)
+        middle = time.perf_counter()
+        for _ in range(calls * ops):
+            add(x, w)
+        program.append((middle - start) / (calls * ops))
+        direct.append((time.perf_counter() - middle) / (calls * ops))
+    return statistics.median(program), statistics.median(direct)
+
+
+def measure_compute(settings: Settings) -> dict[str, list[float]]:
+    """This process's compute measurements, in the order of ``settings``."""
+    torch.manual_seed(0)
+    gc.collect()
+    with torch.no_grad():
+        matmul = [_matmul_point(f, settings) for f in settings.matmul_flops]
+        pointwise = [_pointwise_point(b, settings) for b in settings.pointwise_bytes]
+        executor_s, direct_s = _executor_overhead(settings)
+    return {"matmul": matmul, "pointwise": pointwise, "executor": [executor_s],
+            "direct": [direct_s]}
+
+
+def monotone_curve(sizes: tuple[float, ...], seconds: list[float]) -> Curve:
+    """A curve through the points, each time raised to the largest before it: a bigger op
+    is never predicted faster than a smaller one (noise at the latency-bound end would make
+    cutting an op look like a loss)."""
+    points, floor = [], 0.0
+    for size, t in zip(sizes, seconds):
+        floor = max(floor, t)
+        points.append((float(size), floor))
+    return Curve(points=points)
+
+
+# -------------------------------------------------------------------------- collectives
+
+
+def group_sizes(world: int) -> list[int]:
+    """Every group size a mesh dim of this launch can have: the divisors of ``world`` > 1."""
+    return [n for n in range(2, world + 1) if world % n == 0]
+
+
+def _mesh_axis(world: int, n: int):
+    """This process's group along a mesh dim of ``n`` ranks, made as the runtime makes it."""
+    if n == world:
+        return mesh_groups(ProcessMesh(list(range(world))))[0], 0
+    mesh = ProcessMesh(np.arange(world).reshape(world // n, n).tolist())
+    return mesh_groups(mesh)[1], 1
+
+
+def _rows(nbytes: int, n: int, cols: int = 64) -> int:
+    """Rows of a (rows, 64) fp32 tensor of about ``nbytes`` that ``n`` ranks cut evenly."""
+    return max(n, round(nbytes / (4 * cols) / n) * n)
+
+
+def _runtime_collective(kind: str, full: tuple[int, int], n: int, dim: int, axis):
+    """(the runtime's callable, this rank's input, bytes a rank sends) for one ``kind``."""
+    rows, cols = full
+    full_bytes = rows * cols * 4
+    piece = (rows // n, cols)
+    if kind == "all_reduce":
+        step, shape, src, dst = AllReduce(dim), full, Partial(), Replicate()
+    elif kind == "reduce_scatter":
+        step, shape, src, dst = ReduceScatter(dim, tensor_dim=0), full, Partial(), Shard(0)
+    elif kind == "all_gather":
+        step, shape, src, dst = AllGather(dim, tensor_dim=0), piece, Shard(0), Replicate()
+    else:
+        step, shape, src, dst = AllToAll(dim, from_dim=0, to_dim=1), piece, Shard(0), Shard(1)
+    fn = bind_step(StepComm(step, (shape,) * n), _GroupsOf(axis, dim))
+    return fn, torch.randn(shape), reshard_bytes(src, dst, full_bytes, n)
+
+
+class _GroupsOf:
+    """``MeshGroups``-like: the one axis ``bind_step`` looks up."""
+
+    def __init__(self, axis, dim: int):
+        self.axis, self.dim = axis, dim
+
+    def __getitem__(self, mesh_dim: int):
+        assert mesh_dim == self.dim
+        return self.axis
+
+
+def _broadcast(full: tuple[int, int], axis):
+    x = torch.randn(full)
+    root = axis.ranks[0]
+    return (lambda t: dist.broadcast(t, src=root, group=axis.group)), x, float(x.nbytes)
+
+
+def _ping_pong(full: tuple[int, int], axis):
+    """Two messages per call between the pair's two ranks: first to second, and back."""
+    x = torch.randn(full)
+    first, second = axis.ranks[0], axis.ranks[1]
+    me = dist.get_rank()
+
+    def ping_pong(t: torch.Tensor) -> None:
+        if me == first:
+            dist.isend(t, second).wait()
+            dist.irecv(t, second).wait()
+        else:
+            dist.irecv(t, first).wait()
+            dist.isend(t, first).wait()
+    return ping_pong, x, float(x.nbytes)
+
+
+def _time_collective(fn: Callable, x: torch.Tensor, repeats: int) -> float:
+    _barrier()
+    fn(x)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_collectives(settings: Settings, world: int) -> dict[str, dict[int, list]]:
+    """kind -> group size -> [(bytes a rank sends, this process's median seconds)]."""
+    out: dict[str, dict[int, list]] = {kind: {} for kind in COLLECTIVE_KINDS}
+    for n in group_sizes(world):
+        axis, dim = _mesh_axis(world, n)
+        for kind in COLLECTIVE_KINDS:
+            if kind == "send_recv" and n != 2:
+                continue                                  # a message has two ends
+            points = []
+            for nbytes in settings.collective_bytes:
+                full = (_rows(nbytes, n), 64)
+                if kind == "broadcast":
+                    fn, x, sent = _broadcast(full, axis)
+                elif kind == "send_recv":
+                    fn, x, sent = _ping_pong(full, axis)
+                else:
+                    fn, x, sent = _runtime_collective(kind, full, n, dim, axis)
+                seconds = _time_collective(fn, x, settings.comm_repeats)
+                points.append((sent, seconds / 2 if kind == "send_recv" else seconds))
+            out[kind][n] = points
+    return {kind: by_n for kind, by_n in out.items() if by_n}
+
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> AlphaBeta:
+    """Least-squares ``seconds = alpha + beta * bytes``, weighted by 1/seconds (relative
+    errors: a small message counts as much as a big one). A negative intercept (the line
+    bending under the small points) refits through the origin. ``r2`` on the plain times."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    beta, alpha = np.polyfit(x, y, 1, w=1 / y) if len(points) > 1 else (0.0, y[0])
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.sum(x / y) / np.sum(x * x / (y * y)))
+    predicted = alpha + beta * x
+    total = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1 - float(np.sum((y - predicted) ** 2)) / total if total > 0 else 1.0
+    return AlphaBeta(alpha_s=float(alpha), beta_s_per_byte=max(float(beta), 0.0), r2=r2)
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None:
+    """Measure on this process (one of ``processes``); rank 0 returns the profile and the
+    measurements it was made from (``"compute"``: medians over processes; ``"collectives"``:
+    kind -> group size -> [(bytes sent, median seconds)]), the others None."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    compute = measure_compute(settings)
+    collectives = measure_collectives(settings, world) if world > 1 else {}
+    mine = {"compute": compute, "collectives": collectives}
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return None
+    measured = {"compute": _median_compute(everyone), "collectives": _median_comm(everyone)}
+    return _profile(settings, processes, measured), measured
+
+
+def _median_compute(everyone: list[dict]) -> dict[str, list[float]]:
+    """Each compute measurement, the median over processes."""
+    first = everyone[0]["compute"]
+    return {key: [statistics.median(p["compute"][key][i] for p in everyone)
+                  for i in range(len(values))] for key, values in first.items()}
+
+
+def _median_comm(everyone: list[dict]) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """Each collective's (bytes sent, seconds) points, the median over processes."""
+    return {kind: {n: [(sent, statistics.median(p["collectives"][kind][n][i][1]
+                                                for p in everyone))
+                       for i, (sent, _) in enumerate(points)]
+                   for n, points in by_n.items()}
+            for kind, by_n in everyone[0]["collectives"].items()}
+
+
+def _profile(settings: Settings, processes: int, measured: dict) -> Profile:
+    compute = measured["compute"]
+    return Profile(
+        machine=f"{platform.node()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+                f"{'gloo' if processes > 1 else 'no backend'}",
+        processes=processes, threads=torch.get_num_threads(),
+        matmul=monotone_curve(settings.matmul_flops, compute["matmul"]),
+        pointwise=monotone_curve(settings.pointwise_bytes, compute["pointwise"]),
+        op_overhead_s=max(0.0, compute["executor"][0] - compute["direct"][0]),
+        collectives={kind: {n: fit_alpha_beta(points) for n, points in by_n.items()}
+                     for kind, by_n in measured["collectives"].items()})
+
+
+def _fit_error(fit: AlphaBeta, points: list[tuple[float, float]]) -> float:
+    """The largest relative error of the fit over the measured points."""
+    return max(abs(fit.seconds(sent) - t) / t for sent, t in points)
+
+
+def _rows_to_show(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    return points[::2] if (len(points) - 1) % 2 == 0 else points[::2] + points[-1:]
+
+
+def summary(profile: Profile, measured: dict, out: str) -> str:
+    """What a user reads after calibrating."""
+    compute = measured["compute"]
+    lines = [f"autopar calibrate: {profile.machine}; {profile.processes} process(es) x "
+             f"{profile.threads} thread(s), measured together", "matmul (fp32 mm):"]
+    for size, t in _rows_to_show(profile.matmul.points):
+        lines.append(f"  {size:10.3g} FLOP {t * 1e6:10.1f} us  {size / t / 1e9:7.2f} GFLOP/s")
+    lines.append("pointwise (add/mul/gelu; bytes read + written):")
+    for size, t in _rows_to_show(profile.pointwise.points):
+        lines.append(f"  {size:10.3g} B    {t * 1e6:10.1f} us  {size / t / 1e9:7.2f} GB/s")
+    lines.append(f"executor: {compute['executor'][0] * 1e6:.2f} us per tiny op in generated "
+                 f"code, {compute['direct'][0] * 1e6:.2f} us called directly: overhead "
+                 f"{profile.op_overhead_s * 1e6:.2f} us per op")
+    lines.append("collectives (bytes = what one rank sends; R^2 and worst relative error of "
+                 "the line over the measured sizes):")
+    for kind, by_n in profile.collectives.items():
+        for n, fit in sorted(by_n.items()):
+            rate = 1 / fit.beta_s_per_byte / 1e9 if fit.beta_s_per_byte > 0 else math.inf
+            error = _fit_error(fit, measured["collectives"][kind][n])
+            lines.append(f"  {kind:15s} {n} ranks: alpha {fit.alpha_s * 1e6:8.1f} us  "
+                         f"1/beta {rate:6.2f} GB/s  R^2 {fit.r2:6.3f}  worst {error:4.0%}")
+    lines.append(f"profile written to {out}")
+    return "\n".join(lines)
+
+
+def run(processes: int | None, out: str | None, quick: bool) -> None:
+    """One process of ``python -m autopar calibrate`` (under torchrun, or alone for one)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    processes = processes or world
+    if processes != world:
+        raise ValueError(f"calibrate --processes {processes} under a launch of WORLD_SIZE "
+                         f"{world}: run it without torchrun, it launches its own processes")
+    if world > 1:
+        init_distributed(torch.device("cpu"), world, world)
+    settings = Settings.quick() if quick else Settings.default()
+    start = time.perf_counter()
+    result = calibrate(settings, processes)
+    if world > 1:
+        shutdown(barrier=True)
+    if result is not None:
+        profile, measured = result
+        path = profile.save(out)
+        print(summary(profile, measured, str(path)))
+        if os.environ.get("AUTOPAR_CALIBRATE_POINTS"):      # the raw points, for a look
+            print(measured)
+        print(f"calibration took {time.perf_counter() - start:.1f} s")
+
+
+def launch(argv: list[str], processes: int) -> int:
+    """Run ``python -m autopar calibrate argv`` on ``processes`` local ranks through
+    torchrun, one thread each unless OMP_NUM_THREADS says otherwise (as the demo trains)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={processes}", "-m", "autopar", "calibrate", *argv]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run(command, env=env).returncode
