@@ -165,3 +165,12 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path):
     assert mm.throughput(mm.points[-1][0]) > 3 * mm.throughput(mm.points[0][0])
     assert pw.throughput(pw.points[-1][0]) > 3 * pw.throughput(pw.points[0][0])
     assert all(t < 1.0 for _, t in mm.points + pw.points)
+
+
+def test_the_shipped_reference_profile_is_a_full_four_process_gloo_profile():
+    reference = Profile.reference()
+    assert (reference.processes, reference.threads) == (4, 1) and "gloo" in reference.machine
+    assert set(reference.collectives) == set(COLLECTIVE_KINDS)
+    for kind, by_size in reference.collectives.items():
+        assert sorted(by_size) == ([2] if kind == "send_recv" else [2, 4]), kind
+    assert reference.matmul.points[-1][0] >= 1e9 and reference.pointwise.points[-1][0] >= 6e7
