@@ -19,6 +19,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..checkpoint.store import latest_checkpoint
+from ..cost.predict import StepTime
+from ..cost.profile import Profile, default_profile
 from ..ir import Program, Slot
 from ..ir.capture import StepSpec, flatten_batch
 from ..lower.lowering import lower_program
@@ -115,8 +117,17 @@ class Engine:
         """Plan the step for a sample (global) batch without running it and return each
         rank's predicted memory: bytes of parameters, gradients, optimizer state, buffers,
         peak activations and communication buffers, and the predicted peak
-        (``format_estimates`` prints them as a table)."""
+        (``format_estimates`` prints them as a table). ``predict_time`` predicts its time."""
         return self.planner.memory(self.planner.plan(mode, inputs, labels))
+
+    def predict_time(self, inputs: Any, labels: Any = None, mode: str = "train",
+                     profile: Profile | None = None) -> StepTime:
+        """Plan the step for a sample (global) batch without running it and predict its
+        time from a machine profile (default: this machine's, measured by ``python -m
+        autopar calibrate``): per rank, compute, exposed communication and op count, and the
+        step's seconds, the slowest rank's (``cost.predict``)."""
+        profile = profile if profile is not None else default_profile()
+        return self.planner.time(self.planner.plan(mode, inputs, labels), profile)
 
     def explain(self, what: str, mode: str = "train") -> str:
         """Why a value of the last planned ``mode`` program has its placement, traced back

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import NoReturn
 
+from ..cost.predict import format_step_time
+from ..cost.profile import Profile, ProfileNotFound, default_profile, default_profile_path
 from ..lower.memory import format_estimates
 from ..strategy import DUMP_DIR_ENV
 from .launch import (
@@ -59,14 +61,31 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
                          "prediction step, so nothing was planned")
 
 
+def _time_report(engine, step) -> str:
+    """The predicted step time next to memory: on this machine's calibrated profile, else on
+    the shipped reference profile, said so (it was not measured here)."""
+    try:
+        profile, source = default_profile(), f"profile {default_profile_path()}"
+    except ProfileNotFound:
+        try:
+            profile = Profile.reference()
+        except ProfileNotFound:
+            return ("predicted step time: no cost profile (run `python -m autopar calibrate` "
+                    "to measure this machine)")
+        source = ("the REFERENCE profile of autopar's development machine, not this one: run "
+                  "`python -m autopar calibrate` to measure this machine")
+    return f"{format_step_time(engine.planner.time(step, profile))}\n  (from {source})"
+
+
 def finish_offline_plan(engine, mode: str, offline: OfflinePlanning, inputs,
                         labels) -> NoReturn:
     """In the script's process: its first step is planned for every rank; write the report
     (the plan at a glance, where the dumps are, the explanations asked for, and the first
     divergence from one device when asked) and end the process, which ran only to be
     planned."""
-    lines = [engine.summary(mode), format_estimates(engine.planner.memory(
-                 engine.planner.plan(mode, inputs, labels))),
+    step = engine.planner.plan(mode, inputs, labels)
+    lines = [engine.summary(mode), format_estimates(engine.planner.memory(step)),
+             _time_report(engine, step),
              f"dumps: {engine.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
     lines += [f"\nexplain {what}:\n{engine.explain(what, mode)}" for what in offline.explain]
     if offline.locate_divergence and mode == "train":

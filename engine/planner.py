@@ -16,6 +16,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..annotations import param_annotation
+from ..cost.predict import StepTime, predict_step
+from ..cost.profile import Profile
 from ..ir import Program, StateKind
 from ..ir.attrs import NAME
 from ..ir.capture import StepSpec, capture
@@ -130,13 +132,22 @@ class Planner:
     def memory(self, step: PlannedStep) -> dict[int, MemoryEstimate]:
         """Every process's plan-time memory estimate (lowering the ones not lowered yet,
         for this report only)."""
+        return estimate_memory(self._every_process(step))
+
+    def time(self, step: PlannedStep, profile: Profile) -> StepTime:
+        """The step's predicted time on the machine ``profile`` measured, every process."""
+        return predict_step(self._every_process(step), profile)
+
+    def _every_process(self, step: PlannedStep) -> Lowered:
+        """The step lowered for every process of its mesh (lowering the ones not lowered
+        yet, for a report only)."""
         lowered, facts = step.lowered, step.facts
         mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
         every = [0] if mesh is None else sorted(int(p) for p in mesh.process_ids)
         if any(p not in lowered.processes for p in every):
             lowered = lower_program(step.program, facts.mesh, facts.pipeline, facts.schedule,
                                     None, None, check=False)
-        return estimate_memory(lowered)
+        return lowered
 
     def _processes(self, facts: PlanState) -> list[int] | None:
         if self.process is not None:
