@@ -16,11 +16,12 @@ A collective costs ``AlphaBeta.seconds(bytes one rank sends)`` with the byte cou
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, PrivateAttr, field_validator
+from pydantic import BaseModel, field_validator
 
 __all__ = ["AlphaBeta", "Curve", "Profile", "ProfileNotFound", "COLLECTIVE_KINDS",
            "default_profile", "default_profile_path", "REFERENCE_PROFILE"]
@@ -41,8 +42,6 @@ class Curve(BaseModel):
     """
 
     points: list[tuple[float, float]]
-    _log_sizes: list[float] = PrivateAttr(default_factory=list)
-    _log_times: list[float] = PrivateAttr(default_factory=list)
 
     @field_validator("points")
     @classmethod
@@ -58,21 +57,26 @@ class Curve(BaseModel):
             raise ValueError(f"curve points must be sorted by strictly increasing size: {sizes}")
         return points
 
-    def model_post_init(self, _context: object) -> None:
-        self._log_sizes = [math.log(s) for s, _ in self.points]
-        self._log_times = [math.log(t) for _, t in self.points]
+    @functools.cached_property
+    def _table(self) -> tuple[float, float, float, float, list[float], list[float]]:
+        """(first size, its time, last size, its time, log sizes, log times): computed once
+        and kept in the instance dict (a pydantic private attribute costs a microsecond a
+        read; a planner reads the curve thousands of times)."""
+        (s0, t0), (s1, t1) = self.points[0], self.points[-1]
+        return (s0, t0, s1, t1, [math.log(s) for s, _ in self.points],
+                [math.log(t) for _, t in self.points])
 
     def seconds(self, size: float) -> float:
         """Predicted time of one call of ``size`` (FLOPs or bytes)."""
-        first, last = self.points[0], self.points[-1]
-        if size <= first[0]:
-            return first[1]
-        if size >= last[0]:
-            return last[1] * size / last[0]
+        s0, t0, s1, t1, log_sizes, log_times = self._table
+        if size <= s0:
+            return t0
+        if size >= s1:
+            return t1 * size / s1
         x = math.log(size)
-        i = bisect.bisect_right(self._log_sizes, x)     # 1 <= i < len(points)
-        x0, x1 = self._log_sizes[i - 1], self._log_sizes[i]
-        y0, y1 = self._log_times[i - 1], self._log_times[i]
+        i = bisect.bisect_right(log_sizes, x)           # 1 <= i < len(points)
+        x0, x1 = log_sizes[i - 1], log_sizes[i]
+        y0, y1 = log_times[i - 1], log_times[i]
         return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
     def throughput(self, size: float) -> float:
@@ -141,6 +145,17 @@ class Profile(BaseModel):
                            "`python -m autopar calibrate`")
         if group_size in by_size:
             return by_size[group_size]
+        estimated = self._estimates.get((kind, group_size))
+        if estimated is None:
+            estimated = self._estimates[kind, group_size] = self._estimate(kind, group_size)
+        return estimated
+
+    @functools.cached_property
+    def _estimates(self) -> dict[tuple[str, int], AlphaBeta]:
+        return {}
+
+    def _estimate(self, kind: str, group_size: int) -> AlphaBeta:
+        by_size = self.collectives[kind]
         if group_size < 2:
             raise ValueError(f"{kind} over {group_size} rank(s): no collective is needed")
         nearest = min(by_size, key=lambda m: (abs(m - group_size), -m))
