@@ -34,6 +34,7 @@ bench: $(VENV_STAMP)
 	$(PY) bench/recompute.py
 	$(PY) bench/amp.py
 	$(PY) bench/checkpoint.py
+	$(PY) bench/cost_model.py
 
 clean:
 	rm -rf .venv
