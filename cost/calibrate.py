@@ -49,7 +49,7 @@ from ..reshard.cost import reshard_bytes
 from ..reshard.steps import AllGather, AllReduce, AllToAll, ReduceScatter
 from ..runtime.codegen import generate
 from ..runtime.collectives import bind_step
-from ..runtime.process_groups import init_distributed, mesh_groups, shutdown
+from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups, shutdown
 from .profile import COLLECTIVE_KINDS, AlphaBeta, Curve, Profile
 
 __all__ = ["Settings", "calibrate", "run", "launch", "summary", "fit_alpha_beta"]
@@ -73,7 +73,7 @@ class Settings:
         return cls(matmul_flops=tuple(10 ** (k / 2) for k in range(6, 19)),
                    pointwise_bytes=tuple(float(4 ** k) for k in range(3, 14)),
                    collective_bytes=tuple(4 ** k for k in range(5, 13)),
-                   batch_s=0.02, repeats=9, comm_repeats=15)
+                   batch_s=0.02, repeats=9, comm_repeats=31)
 
     @classmethod
     def quick(cls) -> Settings:
@@ -223,12 +223,12 @@ def group_sizes(world: int) -> list[int]:
     return [n for n in range(2, world + 1) if world % n == 0]
 
 
-def _mesh_axis(world: int, n: int):
-    """This process's group along a mesh dim of ``n`` ranks, made as the runtime makes it."""
+def _mesh_dim(world: int, n: int) -> tuple[MeshGroups, int]:
+    """This process's groups on a mesh with a dim of ``n`` ranks (made as the runtime makes
+    them), and that dim: every group along it runs at once, as in training."""
     if n == world:
-        return mesh_groups(ProcessMesh(list(range(world))))[0], 0
-    mesh = ProcessMesh(np.arange(world).reshape(world // n, n).tolist())
-    return mesh_groups(mesh)[1], 1
+        return mesh_groups(ProcessMesh(list(range(world)))), 0
+    return mesh_groups(ProcessMesh(np.arange(world).reshape(world // n, n).tolist())), 1
 
 
 def _rows(nbytes: int, n: int, cols: int = 64) -> int:
@@ -236,7 +236,8 @@ def _rows(nbytes: int, n: int, cols: int = 64) -> int:
     return max(n, round(nbytes / (4 * cols) / n) * n)
 
 
-def _runtime_collective(kind: str, full: tuple[int, int], n: int, dim: int, axis):
+def _runtime_collective(kind: str, full: tuple[int, int], n: int, dim: int,
+                        groups: MeshGroups):
     """(the runtime's callable, this rank's input, bytes a rank sends) for one ``kind``."""
     rows, cols = full
     full_bytes = rows * cols * 4
@@ -249,19 +250,8 @@ def _runtime_collective(kind: str, full: tuple[int, int], n: int, dim: int, axis
         step, shape, src, dst = AllGather(dim, tensor_dim=0), piece, Shard(0), Replicate()
     else:
         step, shape, src, dst = AllToAll(dim, from_dim=0, to_dim=1), piece, Shard(0), Shard(1)
-    fn = bind_step(StepComm(step, (shape,) * n), _GroupsOf(axis, dim))
+    fn = bind_step(StepComm(step, (shape,) * n), groups)
     return fn, torch.randn(shape), reshard_bytes(src, dst, full_bytes, n)
-
-
-class _GroupsOf:
-    """``MeshGroups``-like: the one axis ``bind_step`` looks up."""
-
-    def __init__(self, axis, dim: int):
-        self.axis, self.dim = axis, dim
-
-    def __getitem__(self, mesh_dim: int):
-        assert mesh_dim == self.dim
-        return self.axis
 
 
 def _broadcast(full: tuple[int, int], axis):
@@ -301,7 +291,8 @@ def measure_collectives(settings: Settings, world: int) -> dict[str, dict[int, l
     """kind -> group size -> [(bytes a rank sends, this process's median seconds)]."""
     out: dict[str, dict[int, list]] = {kind: {} for kind in COLLECTIVE_KINDS}
     for n in group_sizes(world):
-        axis, dim = _mesh_axis(world, n)
+        groups, dim = _mesh_dim(world, n)
+        axis = groups[dim]
         for kind in COLLECTIVE_KINDS:
             if kind == "send_recv" and n != 2:
                 continue                                  # a message has two ends
@@ -313,7 +304,7 @@ def measure_collectives(settings: Settings, world: int) -> dict[str, dict[int, l
                 elif kind == "send_recv":
                     fn, x, sent = _ping_pong(full, axis)
                 else:
-                    fn, x, sent = _runtime_collective(kind, full, n, dim, axis)
+                    fn, x, sent = _runtime_collective(kind, full, n, dim, groups)
                 seconds = _time_collective(fn, x, settings.comm_repeats)
                 points.append((sent, seconds / 2 if kind == "send_recv" else seconds))
             out[kind][n] = points
