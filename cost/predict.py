@@ -29,9 +29,11 @@ Processes sharing cores: the profile was measured with ``profile.processes`` pro
 ``profile.threads`` threads running at once on the machine's cores (the ``N cpus`` of
 ``profile.machine``), so its times hold that time-sharing. A plan of P processes on that
 machine time-shares by ``max(1, P x threads / cpus)`` instead of the profile's own
-``max(1, processes x threads / cpus)``: every predicted second (compute, executor overhead,
-collectives, which gloo runs on the same cores) is scaled by their ratio, ``contention``.
-The planner asks about one machine, the one calibrated.
+``max(1, processes x threads / cpus)``: compute (the curves and the executor's overhead,
+CPU throughput) is scaled by their ratio, ``contention``. Collectives are not: over
+loopback gloo they are latency-bound (a 128 KiB all-reduce on 2 processes alone takes about
+0.8x its time with 4 processes on the 2 cores, not 0.5x). The planner asks about one
+machine, the one calibrated.
 
 What is not modelled: copies a ``reshape`` makes of a non-contiguous input (counted as a
 view), the random-state bookkeeping of dropout, and the Python work of the pipeline runtime
@@ -256,6 +258,7 @@ def message_bytes(spec: Send | Recv, op: Op) -> float:
 # --------------------------------------------------------------------------------------
 @dataclass
 class _Clock:
+    scale: float = 1.0               # compute's contention factor (collectives: none)
     now: float = 0.0
     compute: float = 0.0
     ops: int = 0
@@ -263,6 +266,7 @@ class _Clock:
     started: dict[Op, float] = field(default_factory=dict)   # start op -> its end
 
     def run(self, seconds: float) -> None:
+        seconds *= self.scale
         self.now += seconds
         self.compute += seconds
 
@@ -280,10 +284,11 @@ class _Clock:
 
 
 def _walk(program: Program, comms: dict[int, Comm], profile: Profile,
-          mesh: ProcessMesh | None, messages_free: bool) -> _Clock:
-    """Play one local program: compute on the clock, collectives on their queues.
-    ``messages_free``: pipeline messages of schedule jobs are the timeline's latency."""
-    clock = _Clock()
+          mesh: ProcessMesh | None, messages_free: bool, scale: float) -> _Clock:
+    """Play one local program: compute (times ``scale``) on the clock, collectives on their
+    queues. ``messages_free``: pipeline messages of schedule jobs are the timeline's
+    latency."""
+    clock = _Clock(scale)
     for i, op in enumerate(program.ops):
         if op.kind not in (OpKind.CALL, OpKind.COMM):
             continue
@@ -334,16 +339,12 @@ class ProcessTime:
         return max(0.0, self.finish_s - self.compute_s - self.comm_s)
 
 
-    def scaled(self, factor: float) -> ProcessTime:
-        return ProcessTime(self.compute_s * factor, self.comm_s * factor, self.ops,
-                           self.finish_s * factor)
-
 
 @dataclass(frozen=True)
 class StepTime:
     """A plan's predicted step: per process, and the step's seconds (the slowest process:
     every step ends in collectives or messages that wait for it). ``contention``: the
-    factor every time was scaled by for the plan's process count (module docstring)."""
+    factor compute was scaled by for the plan's process count (module docstring)."""
     processes: dict[int, ProcessTime]
     step_s: float
     bubble: float | None = None        # pipelines: the timeline's idle fraction
@@ -376,26 +377,25 @@ def contention(processes: int, profile: Profile) -> float:
 def predict_step(lowered: Lowered, profile: Profile) -> StepTime:
     """The predicted time of one step of ``lowered`` (every process lowered) on the machine
     ``profile`` measured."""
-    step = (_predict_pipeline(lowered, profile) if lowered.pipeline is not None
-            else _predict_programs(lowered, profile))
-    factor = contention(len(lowered.processes), profile)
-    return StepTime({p: t.scaled(factor) for p, t in step.processes.items()},
-                    step.step_s * factor, step.bubble, factor)
+    scale = contention(len(lowered.processes), profile)
+    if lowered.pipeline is not None:
+        return _predict_pipeline(lowered, profile, scale)
+    return _predict_programs(lowered, profile, scale)
 
 
-def _predict_programs(lowered: Lowered, profile: Profile) -> StepTime:
+def _predict_programs(lowered: Lowered, profile: Profile, scale: float) -> StepTime:
     times = {}
     for process, made in lowered.processes.items():
         if not isinstance(made, RankProgram):
             raise TypeError(f"process {process}: a pipeline process in a plan without a "
                             "pipeline")
-        clock = _walk(made.program, made.comms, profile, lowered.mesh, messages_free=False)
+        clock = _walk(made.program, made.comms, profile, lowered.mesh, False, scale)
         times[process] = ProcessTime(clock.compute, clock.now - clock.compute, clock.ops,
                                      clock.now)
-    return StepTime(times, max(t.finish_s for t in times.values()))
+    return StepTime(times, max(t.finish_s for t in times.values()), None, scale)
 
 
-def _predict_pipeline(lowered: Lowered, profile: Profile) -> StepTime:
+def _predict_pipeline(lowered: Lowered, profile: Profile, scale: float) -> StepTime:
     schedule = lowered.schedule
     if schedule is None:
         raise ValueError("a pipelined plan without its schedule: lower it with the schedule")
@@ -408,7 +408,7 @@ def _predict_pipeline(lowered: Lowered, profile: Profile) -> StepTime:
         for job in made.order:
             jp = made.programs[job]
             in_schedule = job.phase in (Phase.F, Phase.B, Phase.W)
-            clock = _walk(jp.program, jp.comms, profile, lowered.mesh, in_schedule)
+            clock = _walk(jp.program, jp.comms, profile, lowered.mesh, in_schedule, scale)
             clock.run(_accumulate_seconds(jp.program, profile))
             clocks[process][job] = clock
             if in_schedule:
@@ -444,7 +444,7 @@ def _predict_pipeline(lowered: Lowered, profile: Profile) -> StepTime:
         compute = sum(c.compute for c in jobs.values())
         comm = sum(c.now - c.compute for c in jobs.values())
         times[process] = ProcessTime(compute, comm, sum(c.ops for c in jobs.values()), finish)
-    return StepTime(times, max(t.finish_s for t in times.values()), timeline.bubble())
+    return StepTime(times, max(t.finish_s for t in times.values()), timeline.bubble(), scale)
 
 
 def format_step_time(step: StepTime) -> str:
@@ -455,7 +455,7 @@ def format_step_time(step: StepTime) -> str:
                      f"{t.comm_s * 1e3:9.3f} ms  idle {t.idle_s * 1e3:9.3f} ms  "
                      f"{t.ops:6d} ops")
     bubble = f" (pipeline bubble {100 * step.bubble:.1f}%)" if step.bubble is not None else ""
-    shared = (f" (x{step.contention:.2f} for the cores the processes share)"
+    shared = (f" (compute x{step.contention:.2f} for the cores the processes share)"
               if step.contention != 1.0 else "")
     lines.append(f"  step {step.step_s * 1e3:.3f} ms{bubble}{shared}")
     return "\n".join(lines)

@@ -106,17 +106,23 @@ def test_a_started_all_reduce_is_exposed_only_beyond_the_compute_it_overlaps(row
     assert t.comm_s == pytest.approx(waited, rel=1e-9, abs=1e-15)
 
 
-def test_contention_scales_by_the_cores_the_processes_share():
-    # measured with 4 single-thread processes on 2 cores: each ran at half speed
+def test_contention_scales_compute_by_the_cores_the_processes_share():
+    # measured with 4 single-thread processes on 2 cores: each computed at half speed
     two_cores = PROFILE.model_copy(update={"machine": "box, 2 cpus, torch 2.x, gloo"})
     assert [contention(n, two_cores) for n in (1, 2, 4, 8)] == [0.5, 0.5, 1.0, 2.0]
     assert contention(8, PROFILE) == 1.0          # no core count in the profile: as measured
     program = Program()
     x, w = _input(program, "x", (4, 8)), _input(program, "w", (8, 16))
     y = _call(program, "aten.mm.default", (x, w), (4, 16))
-    lowered = _lowered(program, y, {})
-    assert predict_step(lowered, two_cores).step_s == pytest.approx(
-        0.5 * predict_step(lowered, PROFILE).step_s, rel=1e-12)
+    r = _call(program, "comm.all_reduce", (y,), (4, 16), kind=OpKind.COMM)
+    lowered = _lowered(program, r, {len(program.ops) - 1: StepComm(AllReduce(0),
+                                                                   ((4, 16), (4, 16)))})
+    shared, alone = predict_step(lowered, two_cores), predict_step(lowered, PROFILE)
+    assert shared.contention == 0.5 and alone.contention == 1.0
+    assert shared[0].compute_s == pytest.approx(0.5 * alone[0].compute_s, rel=1e-12)
+    # a collective is latency-bound: its time is the profile's whatever the process count
+    for step in (shared, alone):
+        assert step[0].comm_s == pytest.approx(ALPHA + 256 * BETA, rel=1e-12)
 
 
 def _loss(out, y):
