@@ -210,8 +210,8 @@ def _local_chunks(engine: Engine) -> list[Chunk]:
                                              if isinstance(v, torch.Tensor)]).items():
         value = tensors[name]
         shape = tuple(value.shape)
-        boxes = [b for p in layout.get(name, ()) for b in piece_boxes(p)] or \
-            [Box((0,) * len(shape), shape, (0,) * len(shape))]
+        boxes = [b for p in layout[name] for b in piece_boxes(p)] if name in layout \
+            else [Box((0,) * len(shape), shape, (0,) * len(shape))]    # held by no plan
         chunks += [Chunk(key, shape, box, _box_of(value, box, box.offsets))
                    for box in boxes for key in keys]
     return chunks
@@ -232,9 +232,11 @@ def _simulated_layout(engine: Engine) -> dict[str, list[StatePiece]]:
         pp = made.pp if isinstance(made, PipelineProcess) else None
         for name in held:
             piece = made.state[name]
-            if piece.const is None and (piece.owner is None or piece.owner == pp) \
-                    and accumulated_param(name) is None and writes_piece(piece):
-                out.setdefault(name, []).append(piece)
+            if piece.const is not None or accumulated_param(name) is not None:
+                continue
+            writers = out.setdefault(name, [])
+            if (piece.owner is None or piece.owner == pp) and writes_piece(piece):
+                writers.append(piece)
     return out
 
 

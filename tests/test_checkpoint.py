@@ -339,3 +339,13 @@ def test_a_value_no_process_writes_fails_the_save(tmp_path, monkeypatch):
                                               "model.wte.weight"):
         engine.save(tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_pipeline_stage_mesh_micro_batch_dim_is_not_a_replica():
+    """Every process sits at coordinate 0 of a stage mesh's ``mb`` dim: exactly one of the
+    dp replicas writes each value, whatever its name hashes to."""
+    mesh = ProcessMesh(torch.arange(8).reshape(2, 4), dim_names=["dp", "mb"])
+    for name in (f"w{i}" for i in range(20)):
+        writers = [dp for dp in range(2) if writes_piece(StatePiece(
+            name, (4,), torch.float32, DistAttr(mesh, (Replicate(), Replicate())), (dp, 0)))]
+        assert len(writers) == 1, name
