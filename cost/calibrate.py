@@ -7,11 +7,12 @@ process alone would be N/cores times too fast.
 
 * compute: ``aten.mm`` over FLOPs (square and activation-by-weight shapes, fp32) and
   memory-bound ``aten.add``/``mul``/``gelu`` over bytes read + written, through the very
-  callables the generated code calls (``ir.ops.resolve``). Each point is timed as batches of
+  callables the generated code calls (``ir.ops.resolve``). A sample is a batch of
   back-to-back calls long enough to span the scheduler's time slices (a single tiny call is
-  timed while its process holds a core, whatever the contention), median of the batches,
-  after a warm-up; every size starts behind a barrier so all processes load the machine
-  together. The point is the median over processes.
+  timed while its process holds a core, whatever the contention); every process takes it
+  at once, behind a barrier, and the rounds sweep all sizes (``sweep``), so a burst of
+  other load spoils one sample of many points rather than every sample of one. A point is
+  the median over rounds, then over processes.
 * executor overhead: a generated program (``runtime.codegen.generate``, as every step runs)
   of many tiny adds, per op, minus the same add called directly: what autopar adds per op
   on top of the aten call the curves already include.
@@ -19,12 +20,18 @@ process alone would be N/cores times too fast.
   padding and ordering they do included) on the groups ``runtime.process_groups`` makes for
   a mesh dim of each group size the launch allows, all groups at once, from ~1 KB to ~16 MB;
   broadcast and send/recv (a ping-pong between pairs, as pipeline messages travel) with
-  c10d directly. alpha and beta are a least-squares line through the median times over the
-  bytes one rank sends (``reshard.cost.reshard_bytes``; broadcast and send/recv: the
-  tensor's bytes), weighted by 1/time so small messages count as much as big ones.
+  c10d directly. A sample is a short compute (ten 128^3 matmuls) and then one call, behind
+  a barrier, and the point is what the call adds to that compute: what a step pays for a
+  collective is more than the call's own time (on 2 cores, 2 gloo ranks, a 4 KB
+  all-reduce: 0.5 ms timed alone, back to back or behind a barrier; 1.2 ms timed right
+  after compute; 3.4 ms added to a compute loop: waking, skew, gloo's threads). alpha and
+  beta are a least-squares line through the median times over the bytes one rank sends
+  (``reshard.cost.reshard_bytes``; broadcast and send/recv: the tensor's bytes), weighted
+  by 1/time so small messages count as much as big ones.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -90,20 +97,35 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _seconds_per_call(fn: Callable[[], object], batch_s: float, repeats: int) -> float:
-    """Median over ``repeats`` batches of the time per call, a batch being as many calls as
-    fill ``batch_s`` (at least one), after a warm-up call; starts behind a barrier."""
-    _barrier()
+Probe = Callable[[], float]     # one timed sample: seconds per call
+
+
+def _batch_probe(fn: Callable[[], object], batch_s: float) -> Probe:
+    """A probe timing one batch of back-to-back calls of ``fn``: as many calls as fill
+    ``batch_s`` (at least one), counted on a warm-up call."""
+    fn()
     start = time.perf_counter()
     fn()
     calls = max(1, round(batch_s / max(time.perf_counter() - start, 1e-7)))
-    per_call = []
-    for _ in range(repeats):
+
+    def probe() -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        per_call.append((time.perf_counter() - start) / calls)
-    return statistics.median(per_call)
+        return (time.perf_counter() - start) / calls
+    return probe
+
+
+def sweep(probes: list[Probe], rounds: int) -> list[float]:
+    """Each probe's median over ``rounds`` sweeps of all of them, each sample behind a
+    barrier: a burst of someone else's load hits one sample of many points, not every
+    sample of one."""
+    samples: list[list[float]] = [[] for _ in probes]
+    for _ in range(rounds):
+        for probe, mine in zip(probes, samples):
+            _barrier()
+            mine.append(probe())
+    return [statistics.median(mine) for mine in samples]
 
 
 def _kernel(target: str) -> Callable:
@@ -123,30 +145,45 @@ def _matmul_shapes(flops: float) -> list[tuple[int, int, int]]:
     return [(s, s, s), (16 * d, d, 4 * d)]
 
 
-def _matmul_point(flops: float, settings: Settings) -> float:
-    """Seconds of one mm of ``flops``: the shapes' mean (geometric) throughput."""
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def _matmul_curve(settings: Settings) -> list[float]:
+    """Seconds of one mm of each of ``settings.matmul_flops``: the shapes' mean
+    (geometric) throughput."""
     mm = _kernel("aten.mm.default")
-    rates = []
-    for m, k, n in _matmul_shapes(flops):
-        a, b = torch.randn(m, k), torch.randn(n, k).t()     # a Linear's transposed weight
-        seconds = _seconds_per_call(lambda: mm(a, b), settings.batch_s, settings.repeats)
-        rates.append(2 * m * k * n / seconds)
-    return flops / math.exp(statistics.fmean(math.log(r) for r in rates))
+    probes, work = [], []
+    for flops in settings.matmul_flops:
+        for m, k, n in _matmul_shapes(flops):
+            a, b = torch.randn(m, k), torch.randn(n, k).t()    # a Linear's transposed weight
+            probes.append(_batch_probe(functools.partial(mm, a, b), settings.batch_s))
+            work.append(2 * m * k * n)
+    rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats))]
+    per = len(rates) // len(settings.matmul_flops)
+    return [flops / _geomean(rates[i * per:(i + 1) * per])
+            for i, flops in enumerate(settings.matmul_flops)]
 
 
 # (target, tensor inputs, bytes read + written per element, fp32)
 POINTWISE = (("aten.add.Tensor", 2, 12), ("aten.mul.Tensor", 2, 12), ("aten.gelu.default", 1, 8))
 
 
-def _pointwise_point(nbytes: float, settings: Settings) -> float:
-    """Seconds of one memory-bound op moving ``nbytes``: the ops' mean throughput."""
-    rates = []
-    for target, inputs, per_element in POINTWISE:
-        fn, n = _kernel(target), max(1, round(nbytes / per_element))
-        args = [torch.randn(n) for _ in range(inputs)]
-        seconds = _seconds_per_call(lambda: fn(*args), settings.batch_s, settings.repeats)
-        rates.append(n * per_element / seconds)
-    return nbytes / math.exp(statistics.fmean(math.log(r) for r in rates))
+def _pointwise_curve(settings: Settings) -> list[float]:
+    """Seconds of one memory-bound op moving each of ``settings.pointwise_bytes``: the
+    ops' mean throughput."""
+    probes, work = [], []
+    for nbytes in settings.pointwise_bytes:
+        for target, inputs, per_element in POINTWISE:
+            n = max(1, round(nbytes / per_element))
+            args = [torch.randn(n) for _ in range(inputs)]
+            probes.append(_batch_probe(functools.partial(_kernel(target), *args),
+                                       settings.batch_s))
+            work.append(n * per_element)
+    rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats))]
+    per = len(POINTWISE)
+    return [nbytes / _geomean(rates[i * per:(i + 1) * per])
+            for i, nbytes in enumerate(settings.pointwise_bytes)]
 
 
 def _tiny_add_program(ops: int) -> Program:
@@ -197,8 +234,8 @@ def measure_compute(settings: Settings) -> dict[str, list[float]]:
     torch.manual_seed(0)
     gc.collect()
     with torch.no_grad():
-        matmul = [_matmul_point(f, settings) for f in settings.matmul_flops]
-        pointwise = [_pointwise_point(b, settings) for b in settings.pointwise_bytes]
+        matmul = _matmul_curve(settings)
+        pointwise = _pointwise_curve(settings)
         executor_s, direct_s = _executor_overhead(settings)
     return {"matmul": matmul, "pointwise": pointwise, "executor": [executor_s],
             "direct": [direct_s]}
@@ -276,39 +313,63 @@ def _ping_pong(full: tuple[int, int], axis):
     return ping_pong, x, float(x.nbytes)
 
 
-def _time_collective(fn: Callable, x: torch.Tensor, repeats: int) -> float:
-    _barrier()
+def _lead() -> Callable[[], object]:
+    """The compute a collective follows in a sample: ten 128^3 matmuls (~1 ms here)."""
+    a, mm = torch.randn(128, 128), _kernel("aten.mm.default")
+
+    def lead() -> None:
+        for _ in range(10):
+            mm(a, a)
+    return lead
+
+
+def _call_probe(fn: Callable[[torch.Tensor], object], x: torch.Tensor,
+                lead: Callable[[], object]) -> Probe:
+    """A probe timing ``lead`` and then one call of a collective on ``x`` (warmed up)."""
     fn(x)
-    times = []
-    for _ in range(repeats):
+
+    def probe() -> float:
         start = time.perf_counter()
+        lead()
         fn(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+    return probe
+
+
+def _collective_probe(kind: str, nbytes: int, n: int, groups: MeshGroups, dim: int,
+                      lead: Callable[[], object]) -> tuple[Probe, float]:
+    """(a probe of one ``kind`` call on a tensor of about ``nbytes``, bytes a rank sends)."""
+    full = (_rows(nbytes, n), 64)
+    if kind == "broadcast":
+        fn, x, sent = _broadcast(full, groups[dim])
+    elif kind == "send_recv":
+        fn, x, sent = _ping_pong(full, groups[dim])
+    else:
+        fn, x, sent = _runtime_collective(kind, full, n, dim, groups)
+    return _call_probe(fn, x, lead), sent
 
 
 def measure_collectives(settings: Settings, world: int) -> dict[str, dict[int, list]]:
-    """kind -> group size -> [(bytes a rank sends, this process's median seconds)]."""
-    out: dict[str, dict[int, list]] = {kind: {} for kind in COLLECTIVE_KINDS}
+    """kind -> group size -> [(bytes a rank sends, this process's median seconds)]; each
+    kind and group size one sweep over the sizes and the lead compute alone. A point is
+    what the collective adds to the lead: the median of lead + call less the lead's."""
+    out: dict[str, dict[int, list]] = {}
+    lead = _lead()
+    lead_probe = _batch_probe(lead, 0.0)
     for n in group_sizes(world):
         groups, dim = _mesh_dim(world, n)
-        axis = groups[dim]
         for kind in COLLECTIVE_KINDS:
             if kind == "send_recv" and n != 2:
                 continue                                  # a message has two ends
-            points = []
-            for nbytes in settings.collective_bytes:
-                full = (_rows(nbytes, n), 64)
-                if kind == "broadcast":
-                    fn, x, sent = _broadcast(full, axis)
-                elif kind == "send_recv":
-                    fn, x, sent = _ping_pong(full, axis)
-                else:
-                    fn, x, sent = _runtime_collective(kind, full, n, dim, groups)
-                seconds = _time_collective(fn, x, settings.comm_repeats)
-                points.append((sent, seconds / 2 if kind == "send_recv" else seconds))
-            out[kind][n] = points
-    return {kind: by_n for kind, by_n in out.items() if by_n}
+            _barrier()
+            probes, sent = zip(*(_collective_probe(kind, b, n, groups, dim, lead)
+                                 for b in settings.collective_bytes))
+            *both, alone = sweep([*probes, lead_probe], settings.comm_repeats)
+            seconds = [max(t - alone, 1e-7) for t in both]
+            if kind == "send_recv":                       # a ping-pong is two messages
+                seconds = [t / 2 for t in seconds]
+            out.setdefault(kind, {})[n] = list(zip(sent, seconds))
+    return out
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> AlphaBeta:
