@@ -1,0 +1,106 @@
+"""Candidate strategies of one op, generated from the SPMD rule registry (no per-op table).
+
+A strategy is a Decision of the op's rule: the placement each tensor input needs and each
+output gets. What is enumerated:
+
+* a CALL op with a rule: ``rule.forward`` asked once with every input replicated, then once
+  per (tensor input, candidate placement of that input) with that input as the only placed
+  one and the others None (they follow at no cost, so the rule answers what this input's
+  placement implies). Deduplicated by (needs, outputs).
+* a candidate placement of a tensor: on each mesh dim of more than one rank, Replicate or
+  Shard(d) for every tensor dim d the mesh dim divides, all combinations across mesh dims.
+
+What is not: Partial placements of a driving input (a partial value is reduced where its
+consumer needs it: the edge pays it), grouped shards (``S(d)xg``: a fused projection's
+layout, left to the TP plan), uneven shards, and combinations of two or more inputs placed
+at once beyond what the rule derives from one.
+
+An op without a rule has one strategy: everything replicated (as completion runs it). A
+parameter, state or input is an "op" whose strategies are its placements: one when it is
+already pinned (annotation, batch sharding, plan), else the candidate placements without
+partials (state holds whole values or shards).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ..ir import Op, OpKind, Value
+from ..ir.core import TensorType
+from ..ir.dist import DistAttr, Placement, ProcessMesh, Replicate, Shard
+from ..spmd import lookup
+from ..spmd.registry import tensor_inputs
+
+__all__ = ["Candidate", "placements_of", "op_candidates", "start_candidates"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy: the placement each tensor input needs and each output gets (None: not
+    a tensor)."""
+
+    needs: tuple[DistAttr, ...]
+    outputs: tuple[DistAttr | None, ...]
+
+
+def placements_of(t: TensorType, mesh: ProcessMesh) -> list[DistAttr]:
+    """Replicated first, then every even shard combination over the mesh dims."""
+    per_dim: list[list[Placement]] = []
+    for n in mesh.shape:
+        options: list[Placement] = [Replicate()]
+        if n > 1:
+            options += [Shard(d) for d, size in enumerate(t.shape) if size % n == 0 and size]
+        per_dim.append(options)
+    found = []
+    for combo in itertools.product(*per_dim):
+        if _divides(t.shape, mesh, combo):
+            found.append(DistAttr(mesh, tuple(combo)))
+    return found
+
+
+def _divides(shape: tuple[int, ...], mesh: ProcessMesh, combo: tuple[Placement, ...]) -> bool:
+    """Every tensor dim divides by the product of the mesh dims that cut it."""
+    cut = [1] * len(shape)
+    for n, p in zip(mesh.shape, combo):
+        if isinstance(p, Shard):
+            cut[p.dim] *= n
+    return all(size % c == 0 for size, c in zip(shape, cut))
+
+
+def _replicated_candidate(op: Op, mesh: ProcessMesh) -> Candidate:
+    r = DistAttr.replicated(mesh)
+    return Candidate(tuple(r for _ in tensor_inputs(op)),
+                     tuple(r if v.is_tensor else None for v in op.outputs))
+
+
+def op_candidates(op: Op, mesh: ProcessMesh) -> list[Candidate]:
+    """The strategies of CALL ``op`` on ``mesh`` (module docstring)."""
+    rule = lookup(op)
+    ins = tensor_inputs(op)
+    if rule is None or not ins:
+        return [_replicated_candidate(op, mesh)]
+    asks: list[list[DistAttr | None]] = [[DistAttr.replicated(mesh)] * len(ins)]
+    for i, v in enumerate(ins):
+        for dist in placements_of(v.type, mesh)[1:]:
+            asks.append([dist if j == i else None for j in range(len(ins))])
+    found: dict[tuple, Candidate] = {}
+    for dists in asks:
+        try:
+            decision = rule.forward(op, dists, mesh)
+        except (ValueError, NotImplementedError):   # SpecError too
+            continue    # a placement the rule refuses for this op is no candidate
+        key = (decision.needs, decision.outputs)
+        found.setdefault(key, Candidate(decision.needs, decision.outputs))
+    return list(found.values()) or [_replicated_candidate(op, mesh)]
+
+
+def start_candidates(op: Op, mesh: ProcessMesh) -> list[Candidate]:
+    """A parameter's, state's or input's placements: its pinned one, else every candidate
+    placement (replicated first). A non-tensor start has one, empty, strategy."""
+    assert op.kind in (OpKind.INPUT, OpKind.STATE), op
+    v: Value = op.outputs[0]
+    if not v.is_tensor:
+        return [Candidate((), (None,))]
+    if v.dist is not None:
+        return [Candidate((), (v.dist,))]
+    return [Candidate((), (dist,)) for dist in placements_of(v.type, mesh)]

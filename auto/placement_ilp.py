@@ -1,0 +1,314 @@
+"""The placement integer program: one strategy per op for a whole captured step.
+
+Variables: ``x[op, c]`` binary, one strategy per op (parameters, states and inputs are ops
+whose strategies are their placements, ``auto.candidates``). On each edge (a value from its
+producer to one consumer) the cost of moving the producer's output placement ``p`` to the
+placement ``q`` the consumer needs is paid when both are chosen: where either side has one
+distinct placement over all its strategies that cost is linear in the other side's ``x``;
+otherwise ``e[p, q] >= sum x[producer, c: out=p] + sum x[consumer, c': need=q] - 1`` (e in
+[0, 1]) for each pair with a non-zero cost only, so the program grows with the pairs that
+cost something, not with all strategy pairs.
+
+Objective, in seconds: communication (each reshard step's collective by the profile's alpha-
+beta at the bytes ``reshard.cost`` counts; local slices by the pointwise curve) + compute
+(the op's FLOPs, ``pipeline.cost``, divided by the ranks that share its output, on the
+profile's matmul curve for matrix products and attention, bytes on the pointwise curve
+otherwise) + a tiny penalty per change of placement (ties go to moving nothing).
+
+Constraint (optional): per-rank bytes of parameters (counted twice: the gradient is placed
+like its parameter) and optimizer states <= ``memory_limit_bytes``.
+
+Not modelled: a value moved once for several consumers (each consumer pays; the reshard
+pass reuses moves), overlap of communication with compute, activation memory.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from ..cost.profile import Profile
+from ..ir import Op, OpKind, Program, Value
+from ..ir.attrs import NAME, STATE, StateKind
+from ..ir.core import TensorType
+from ..ir.dist import DistAttr, Partial, ProcessMesh, Shard
+from ..pipeline.cost import FLOPS, op_flops
+from ..reshard.planner import plan_reshard
+from ..spmd.registry import tensor_inputs
+from .candidates import Candidate, op_candidates, start_candidates
+
+__all__ = ["PlacementChoice", "solve_placements", "CHANGE_PENALTY_S"]
+
+# a change of placement that moves nothing (R -> P) still costs an op: 1 ns breaks ties
+CHANGE_PENALTY_S = 1e-9
+
+
+@dataclass
+class PlacementChoice:
+    """The solved program: a placement per tensor value, the chosen strategy per op, and
+    where the objective's seconds come from."""
+
+    values: dict[Value, DistAttr]
+    strategies: dict[Op, Candidate]
+    comm_s: float
+    compute_s: float
+    penalty_s: float
+    state_bytes: float                       # per rank: parameters, gradients, states
+    build_s: float
+    solve_s: float
+    variables: int
+    constraints: int
+    status: str
+    params: dict[str, DistAttr] = field(default_factory=dict)
+
+    @property
+    def objective_s(self) -> float:
+        return self.comm_s + self.compute_s + self.penalty_s
+
+    def summary(self) -> str:
+        return (f"placement ILP: {self.variables} variables, {self.constraints} constraints, "
+                f"build {self.build_s:.3f} s, solve {self.solve_s:.3f} s ({self.status}); "
+                f"predicted communication {self.comm_s * 1e3:.3f} ms, compute "
+                f"{self.compute_s * 1e3:.3f} ms, state {self.state_bytes / 2**20:.2f} MiB "
+                "per rank")
+
+
+def _shards(dist: DistAttr | None) -> int:
+    """Ranks over which a value is split (a partial value's terms split the work too)."""
+    if dist is None:
+        return 1
+    return math.prod(n for n, p in zip(dist.mesh.shape, dist.placements)
+                     if isinstance(p, (Shard, Partial)))
+
+
+def _bytes(t: TensorType) -> float:
+    return float(t.numel * t.dtype.itemsize)
+
+
+class _Costs:
+    """Seconds of moves and of compute on ``profile``, cached (a model's repeated layers
+    ask the same questions)."""
+
+    def __init__(self, mesh: ProcessMesh, profile: Profile):
+        self.mesh, self.profile = mesh, profile
+        self._moves: dict[tuple, float] = {}
+
+    def move(self, t: TensorType, src: DistAttr, dst: DistAttr) -> float:
+        if src == dst:
+            return 0.0
+        key = (t, src, dst)
+        if key not in self._moves:
+            self._moves[key] = self._move(t, src, dst) + CHANGE_PENALTY_S
+        return self._moves[key]
+
+    def _move(self, t: TensorType, src: DistAttr, dst: DistAttr) -> float:
+        itemsize = t.dtype.itemsize
+        state, seconds = src.placements, 0.0
+        for step in plan_reshard(t.shape, src, dst, itemsize):
+            nbytes = step.cost(t.shape, self.mesh, state, itemsize)
+            if step.kind in ("slice", "make_partial"):
+                seconds += self.profile.pointwise.seconds(nbytes) if nbytes > 0 else 0.0
+            else:
+                seconds += self.profile.collective_seconds(
+                    step.kind, self.mesh.shape[step.mesh_dim], nbytes)
+            state = step.advance(state)
+        return seconds
+
+    def compute(self, op: Op, cand: Candidate) -> float:
+        if op.kind is not OpKind.CALL:
+            return 0.0
+        out = next((d for d in cand.outputs if d is not None), None)
+        share = _shards(out)
+        if op.target in FLOPS:
+            return self.profile.matmul.seconds(op_flops(op) / share)
+        moved = sum(_bytes(v.type) for v in (*tensor_inputs(op), *op.outputs) if v.is_tensor)
+        return self.profile.pointwise.seconds(moved / share) if moved else 0.0
+
+
+def _comm_part(cost: float) -> float:
+    """A move's seconds without the change penalty (reported apart)."""
+    return max(cost - CHANGE_PENALTY_S, 0.0) if cost else 0.0
+
+
+@dataclass
+class _Node:
+    op: Op
+    cands: list[Candidate]
+    first: int = 0        # index of x[op, 0] in the variable vector
+
+
+class _Builder:
+    def __init__(self, program: Program, mesh: ProcessMesh, profile: Profile):
+        self.program, self.mesh = program, mesh
+        self.costs = _Costs(mesh, profile)
+        self.nodes: dict[Op, _Node] = {}
+        self.c: list[float] = []               # objective per variable
+        self.comm: list[float] = []            # its communication part
+        self.rows: list[tuple[dict[int, float], float, float]] = []   # (coefs, lo, hi)
+        self.binary: list[int] = []
+        self.memory_coefs: dict[int, float] = {}
+
+    def _var(self, cost: float, comm: float, binary: bool) -> int:
+        self.c.append(cost)
+        self.comm.append(comm)
+        self.binary.append(1 if binary else 0)
+        return len(self.c) - 1
+
+    def build(self, memory_limit_bytes: float | None) -> None:
+        for op in self.program.ops:
+            if op.kind in (OpKind.INPUT, OpKind.STATE):
+                cands = start_candidates(op, self.mesh)
+            elif op.kind is OpKind.CALL:
+                cands = op_candidates(op, self.mesh)
+            else:
+                continue
+            node = self.nodes[op] = _Node(op, cands, len(self.c))
+            for cand in cands:
+                compute = self.costs.compute(op, cand)
+                self._var(compute, 0.0, True)
+            self.rows.append(({node.first + i: 1.0 for i in range(len(cands))}, 1.0, 1.0))
+        for op in self.program.ops:
+            if op.kind is OpKind.CALL:
+                for j, v in enumerate(tensor_inputs(op)):
+                    self._edge(v, self._by_need(op, j))
+        self._outputs()
+        self._memory(memory_limit_bytes)
+
+    # -- edges -------------------------------------------------------------------------
+    def _by_produced(self, v: Value) -> dict[DistAttr, list[int]]:
+        node = self.nodes[v.producer]
+        groups: dict[DistAttr, list[int]] = defaultdict(list)
+        for i, cand in enumerate(node.cands):
+            groups[cand.outputs[v.index]].append(node.first + i)
+        return groups
+
+    def _by_need(self, op: Op, j: int) -> dict[DistAttr, list[int]]:
+        node = self.nodes[op]
+        groups: dict[DistAttr, list[int]] = defaultdict(list)
+        for i, cand in enumerate(node.cands):
+            groups[cand.needs[j]].append(node.first + i)
+        return groups
+
+    def _edge(self, v: Value, needs: dict[DistAttr, list[int]]) -> None:
+        """Pay moving ``v`` from its producer's placement to the one its consumer needs."""
+        have = self._by_produced(v)
+        if len(have) == 1 or len(needs) == 1:
+            # one side is fixed: the cost is linear in the other side's choice
+            (p, fixed), other, src_fixed = ((next(iter(have.items()))), needs, True) \
+                if len(have) == 1 else ((next(iter(needs.items()))), have, False)
+            for q, xs in other.items():
+                cost = self.costs.move(v.type, p, q) if src_fixed else \
+                    self.costs.move(v.type, q, p)
+                for x in xs:
+                    self.c[x] += cost
+                    self.comm[x] += _comm_part(cost)
+            return
+        for p, xs in have.items():
+            for q, ys in needs.items():
+                cost = self.costs.move(v.type, p, q)
+                if cost == 0.0:
+                    continue
+                e = self._var(cost, _comm_part(cost), False)
+                coefs = {e: 1.0}
+                for x in (*xs, *ys):
+                    coefs[x] = coefs.get(x, 0.0) - 1.0
+                self.rows.append((coefs, -1.0, np.inf))
+
+    def _outputs(self) -> None:
+        """The loss and outputs are wanted replicated; an updated state goes back where the
+        state lives; a gradient stays as computed."""
+        states = {op.attrs[NAME]: op for op in self.program.ops_of(OpKind.STATE)}
+        for slot, v in self.program.results():
+            if not v.is_tensor or slot.kind == "grad":
+                continue
+            if slot.kind == "update":
+                state = self.nodes[states[slot.name]]
+                needs: dict[DistAttr, list[int]] = defaultdict(list)
+                for i, cand in enumerate(state.cands):
+                    needs[cand.outputs[0]].append(state.first + i)
+                self._edge(v, needs)
+            else:
+                self._edge(v, {DistAttr.replicated(self.mesh): []})
+
+    def _memory(self, limit: float | None) -> None:
+        """Per-rank state bytes of each start strategy; a row when there is a limit."""
+        coefs: dict[int, float] = {}
+        for op, node in self.nodes.items():
+            if op.kind is not OpKind.STATE or not op.result.is_tensor:
+                continue
+            copies = 2.0 if op.attrs[STATE] is StateKind.PARAM else 1.0
+            for i, cand in enumerate(node.cands):
+                coefs[node.first + i] = copies * _bytes(op.result.type) / _shards(
+                    cand.outputs[0])
+        self.memory_coefs = coefs
+        if limit is not None:
+            self.rows.append((coefs, -np.inf, float(limit)))
+
+    # -- solve -------------------------------------------------------------------------
+    def matrix(self):
+        r, c, d = [], [], []
+        for i, (coefs, _, _) in enumerate(self.rows):
+            for j, a in coefs.items():
+                r.append(i)
+                c.append(j)
+                d.append(a)
+        shape = (len(self.rows), len(self.c))
+        a = coo_array((d, (r, c)), shape=shape).tocsr()
+        lo = np.array([row[1] for row in self.rows])
+        hi = np.array([row[2] for row in self.rows])
+        return LinearConstraint(a, lo, hi)
+
+
+def solve_placements(program: Program, mesh: ProcessMesh, profile: Profile | None = None,
+                     memory_limit_bytes: float | None = None,
+                     time_limit_s: float | None = None) -> PlacementChoice:
+    """Choose a strategy for every op of ``program`` (placed values stay as pinned) on
+    ``mesh``, minimising predicted step seconds on ``profile`` (default: the reference
+    profile), within ``memory_limit_bytes`` of parameters, gradients and optimizer state per
+    rank. Raises ValueError when no placement fits the limit."""
+    profile = profile or Profile.reference()
+    start = time.perf_counter()
+    builder = _Builder(program, mesh, profile)
+    builder.build(memory_limit_bytes)
+    constraints = builder.matrix()
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    n = len(builder.c)
+    options = {"disp": False} | ({"time_limit": time_limit_s} if time_limit_s else {})
+    result = milp(np.array(builder.c), constraints=constraints,
+                  integrality=np.array(builder.binary), bounds=Bounds(0, 1), options=options)
+    solve_s = time.perf_counter() - start
+    if result.x is None:
+        limit = "" if memory_limit_bytes is None else \
+            f" within {memory_limit_bytes / 2**20:.2f} MiB of state per rank"
+        raise ValueError(f"placement ILP on {mesh}: no placement found{limit} "
+                         f"({result.message})")
+    return _choice(builder, result, build_s, solve_s, n)
+
+
+def _choice(builder: _Builder, result, build_s: float, solve_s: float, n: int
+            ) -> PlacementChoice:
+    x = result.x
+    values: dict[Value, DistAttr] = {}
+    strategies: dict[Op, Candidate] = {}
+    compute = state_bytes = 0.0
+    for op, node in builder.nodes.items():
+        chosen = max(range(len(node.cands)), key=lambda i: x[node.first + i])
+        cand = strategies[op] = node.cands[chosen]
+        compute += builder.costs.compute(op, cand)
+        state_bytes += builder.memory_coefs.get(node.first + chosen, 0.0)
+        for v, dist in zip(op.outputs, cand.outputs):
+            if dist is not None:
+                values[v] = dist
+    rounded = np.round(x)
+    comm = float(np.dot(builder.comm, rounded))
+    penalty = float(np.dot(builder.c, rounded)) - comm - compute
+    params = {op.attrs[NAME]: values[op.result] for op in builder.program.states(StateKind.PARAM)
+              if op.result in values}
+    return PlacementChoice(values, strategies, comm, compute, max(penalty, 0.0), state_bytes,
+                           build_s, solve_s, n, len(builder.rows), result.message, params)

@@ -1,0 +1,122 @@
+"""The placement ILP (autopar.auto): on cases whose optimum is known it finds it (Megatron's
+column/row pair for big weights and a small batch, data parallel for the reverse), it keeps
+user annotations, a memory limit forces sharding, and its plans train like eager torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar as ap
+from autopar.annotations import param_annotation
+from autopar.auto import auto_placements, placed_program, solve_placements
+from autopar.ir import Role
+from autopar.ir.dist import Replicate, Shard
+from autopar.models import GPT, GPTConfig
+from autopar.models.gpt import lm_loss
+from autopar.passes.explain import planned_moves
+
+from .models_zoo import MegatronMLP as MLP
+from .models_zoo import mse as _mse
+from .parity import assert_same_losses, assert_same_params, eager_train, one_thread, twin
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+_ = one_thread
+
+MESH = "mesh: {shape: [2], dim_names: [x]}"
+
+
+def _solve(model, rows, strategy=MESH, **kw):
+    d = model.fc1.in_features
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    notes = {n: a for n, p in model.named_parameters() if (a := param_annotation(p))}
+    return auto_placements(model, _mse, opt, ap.Strategy.from_yaml_str(strategy),
+                           torch.randn(rows, d), torch.randn(rows, d), annotations=notes, **kw)
+
+
+def _layout(found):
+    return {n: tuple(d.placements) for n, d in found.params.items()}
+
+
+def test_big_weights_small_batch_pick_megatron_column_then_row_and_train_like_eager():
+    torch.manual_seed(0)
+    model = MLP(512, 2048)
+    found = _solve(model, rows=4)
+    assert _layout(found) == {"fc1.weight": (Shard(0),), "fc1.bias": (Shard(0),),
+                              "fc2.weight": (Shard(1),), "fc2.bias": (Replicate(),)}
+    assert all(d.placements == (Replicate(),) for d in found.inputs.values())
+    # the plan: the chosen placements as annotations, then the ordinary pipeline
+    ref = twin(model)
+    for name, p in model.named_parameters():
+        ap.shard_tensor(p, found.params[name].mesh, list(found.params[name].placements))
+    data = [(torch.randn(512), torch.randn(512)) for _ in range(12)]
+    engine = ap.Engine(model, _mse, torch.optim.SGD(model.parameters(), lr=0.01),
+                       strategy=ap.Strategy.from_yaml_str(MESH + "\ndebug: {simulate: true}"))
+    x, y = (torch.stack(t) for t in zip(*data[:4]))
+    # the bias goes in on one rank (a free make_partial); fc2's partial sum is all-reduced
+    # once, where the loss reads it
+    forward = [m.kind for m in planned_moves(engine.prepare(x, y))
+               if m.role in (Role.FORWARD.value, Role.LOSS.value)
+               and m.kind not in ("make_partial", "slice")]
+    assert forward == ["all_reduce"]
+    losses = engine.fit(data, batch_size=4, steps_per_epoch=3, verbose=0)["loss"]
+    ref_losses = eager_train(ref, _mse, torch.optim.SGD(ref.parameters(), lr=0.01), data,
+                             batch_size=4, steps=3)
+    assert_same_losses(losses, ref_losses)
+    assert_same_params(model, ref)
+
+
+def test_big_batch_small_weights_pick_data_parallel():
+    found = _solve(MLP(64, 64), rows=16384)
+    assert set(_layout(found).values()) == {(Replicate(),)}
+    assert {tuple(d.placements) for d in found.inputs.values()} == {(Shard(0),)}
+    assert found.choice.comm_s > 0      # the gradients' all-reduces
+
+
+def test_a_user_annotation_is_kept():
+    model = MLP(512, 2048)
+    mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+    ap.shard_tensor(model.fc1.weight, mesh, [Shard(1)])     # rowwise, not the ILP's colwise
+    found = _solve(model, rows=4)
+    assert _layout(found)["fc1.weight"] == (Shard(1),)
+
+
+def test_a_memory_limit_forces_sharding():
+    model = MLP(64, 64)
+    free = _solve(model, rows=64)
+    assert set(_layout(free).values()) == {(Replicate(),)}
+    full = free.choice.state_bytes
+    limited = _solve(model, rows=64, memory_limit_bytes=0.75 * full)
+    assert limited.choice.state_bytes <= 0.75 * full
+    assert any(p != (Replicate(),) for p in _layout(limited).values())
+    assert limited.choice.objective_s >= free.choice.objective_s
+    with pytest.raises(ValueError, match="no placement found within"):
+        _solve(model, rows=64, memory_limit_bytes=0.1 * full)
+
+
+def test_gpt_tp2_plan_costs_no_more_than_the_hand_plan_and_trains_like_eager():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    free = ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [tp]}")
+    program, ctx = placed_program(model, lm_loss, opt, free, x, y)
+    auto = solve_placements(program, ctx.state.mesh)
+    hand_program, ctx = placed_program(model, lm_loss, opt,
+                                       ap.Strategy.from_yaml("configs/tp.yaml"), x, y)
+    hand = solve_placements(hand_program, ctx.state.mesh)
+    print(f"auto: {auto.summary()}\nhand tp.yaml: {hand.summary()}")
+    assert auto.objective_s <= hand.objective_s * (1 + 1e-9)
+    ref = twin(model)
+    for name, p in model.named_parameters():
+        if name in auto.params:
+            ap.shard_tensor(p, auto.params[name].mesh, list(auto.params[name].placements))
+    data = [(a, b) for a, b in zip(torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))]
+    engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=ap.Strategy.from_yaml_str(
+                           "mesh: {shape: [2], dim_names: [tp]}\ndebug: {simulate: true}"))
+    losses = engine.fit(data, batch_size=4, steps_per_epoch=2, verbose=0)["loss"]
+    ref_losses = eager_train(ref, lm_loss, torch.optim.SGD(ref.parameters(), lr=0.1), data,
+                             batch_size=4, steps=2)
+    assert_same_losses(losses, ref_losses)
+    assert_same_params(model, ref)
