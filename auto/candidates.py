@@ -6,14 +6,17 @@ output gets. What is enumerated:
 * a CALL op with a rule: ``rule.forward`` asked once with every input replicated, then once
   per (tensor input, candidate placement of that input) with that input as the only placed
   one and the others None (they follow at no cost, so the rule answers what this input's
-  placement implies). Deduplicated by (needs, outputs).
+  placement implies). An input's candidate placements are the enumerated ones below plus
+  the placements its producer's strategies can give it (``offered``; the ILP offers grouped
+  shards only): so a fused qkv's ``S(0)x3``, pinned by a plan, passes through the ops that
+  keep it. Deduplicated by (needs, outputs).
 * a candidate placement of a tensor: on each mesh dim of more than one rank, Replicate or
   Shard(d) for every tensor dim d the mesh dim divides, all combinations across mesh dims.
 
-What is not: Partial placements of a driving input (a partial value is reduced where its
-consumer needs it: the edge pays it), grouped shards (``S(d)xg``: a fused projection's
-layout, left to the TP plan), uneven shards, and combinations of two or more inputs placed
-at once beyond what the rule derives from one.
+What is not: Partial driving placements (a partial value is reduced where its consumer needs
+it: the edge pays), grouped shards (``S(d)xg``) no producer offers (a parameter's come only
+from a pin), uneven shards (unless offered), and
+combinations of two or more inputs placed at once beyond what the rule derives from one.
 
 An op without a rule has one strategy: everything replicated (as completion runs it). A
 parameter, state or input is an "op" whose strategies are its placements: one when it is
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Collection, Sequence
 
 from ..ir import Op, OpKind, Value
 from ..ir.core import TensorType
@@ -73,16 +77,22 @@ def _replicated_candidate(op: Op, mesh: ProcessMesh) -> Candidate:
                      tuple(r if v.is_tensor else None for v in op.outputs))
 
 
-def op_candidates(op: Op, mesh: ProcessMesh) -> list[Candidate]:
-    """The strategies of CALL ``op`` on ``mesh`` (module docstring)."""
+def op_candidates(op: Op, mesh: ProcessMesh,
+                  offered: Sequence[Collection[DistAttr]] = ()) -> list[Candidate]:
+    """The strategies of CALL ``op`` on ``mesh`` (module docstring); ``offered``: per tensor
+    input, the placements its producer's strategies give it."""
     rule = lookup(op)
     ins = tensor_inputs(op)
     if rule is None or not ins:
         return [_replicated_candidate(op, mesh)]
-    asks: list[list[DistAttr | None]] = [[DistAttr.replicated(mesh)] * len(ins)]
+    replicated = DistAttr.replicated(mesh)
+    asks: list[list[DistAttr | None]] = [[replicated] * len(ins)]
     for i, v in enumerate(ins):
-        for dist in placements_of(v.type, mesh)[1:]:
-            asks.append([dist if j == i else None for j in range(len(ins))])
+        extra = offered[i] if i < len(offered) else ()
+        driving = dict.fromkeys([*placements_of(v.type, mesh), *extra])
+        for dist in driving:
+            if dist != replicated:
+                asks.append([dist if j == i else None for j in range(len(ins))])
     found: dict[tuple, Candidate] = {}
     for dists in asks:
         try:

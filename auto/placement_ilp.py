@@ -18,8 +18,9 @@ otherwise) + a tiny penalty per change of placement (ties go to moving nothing).
 Constraint (optional): per-rank bytes of parameters (counted twice: the gradient is placed
 like its parameter) and optimizer states <= ``memory_limit_bytes``.
 
-Not modelled: a value moved once for several consumers (each consumer pays; the reshard
-pass reuses moves), overlap of communication with compute, activation memory.
+Not modelled: a value moved once for several consumers (each consumer pays, unless
+``shared_moves``; the reshard pass reuses moves), overlap of communication with compute,
+activation memory, grouped shards of parameters (a fused qkv's ``S(0)x3``: only when pinned).
 """
 from __future__ import annotations
 
@@ -130,6 +131,16 @@ class _Costs:
         return self.profile.pointwise.seconds(moved / share) if moved else 0.0
 
 
+def _keeping_pins(op: Op, cands: list[Candidate]) -> list[Candidate]:
+    """The strategies that give ``op``'s pinned outputs (an annotation inside the model)
+    their placement; all of them if none does (completion too keeps the pin then)."""
+    pinned = [v.dist if v.is_tensor else None for v in op.outputs]
+    if all(p is None for p in pinned):
+        return cands
+    kept = [c for c in cands if all(p is None or p == d for p, d in zip(pinned, c.outputs))]
+    return kept or cands
+
+
 def _comm_part(cost: float) -> float:
     """A move's seconds without the change penalty (reported apart)."""
     return max(cost - CHANGE_PENALTY_S, 0.0) if cost else 0.0
@@ -143,8 +154,9 @@ class _Node:
 
 
 class _Builder:
-    def __init__(self, program: Program, mesh: ProcessMesh, profile: Profile):
-        self.program, self.mesh = program, mesh
+    def __init__(self, program: Program, mesh: ProcessMesh, profile: Profile,
+                 shared_moves: bool = False):
+        self.program, self.mesh, self.shared_moves = program, mesh, shared_moves
         self.costs = _Costs(mesh, profile)
         self.nodes: dict[Op, _Node] = {}
         self.c: list[float] = []               # objective per variable
@@ -152,6 +164,11 @@ class _Builder:
         self.rows: list[tuple[dict[int, float], float, float]] = []   # (coefs, lo, hi)
         self.binary: list[int] = []
         self.memory_coefs: dict[int, float] = {}
+        self.grouped: set[Value] = set()       # values descending from a grouped pin
+        # per value, each consumer's strategies by the placement they need (an empty list:
+        # needed whatever is chosen, as the loss is replicated)
+        self.wanted: dict[Value, list[dict[DistAttr, list[int]]]] = defaultdict(list)
+        self.constant_s = self.constant_comm_s = 0.0    # moves no choice can avoid
 
     def _var(self, cost: float, comm: float, binary: bool) -> int:
         self.c.append(cost)
@@ -163,8 +180,13 @@ class _Builder:
         for op in self.program.ops:
             if op.kind in (OpKind.INPUT, OpKind.STATE):
                 cands = start_candidates(op, self.mesh)
+                if op.result.is_tensor and op.result.dist is not None and any(
+                        isinstance(p, Shard) and p.groups != 1
+                        for p in op.result.dist.placements):
+                    self.grouped.add(op.result)
             elif op.kind is OpKind.CALL:
-                cands = op_candidates(op, self.mesh)
+                cands = _keeping_pins(op, op_candidates(
+                    op, self.mesh, [self._offered(v) for v in tensor_inputs(op)]))
             else:
                 continue
             node = self.nodes[op] = _Node(op, cands, len(self.c))
@@ -175,9 +197,29 @@ class _Builder:
         for op in self.program.ops:
             if op.kind is OpKind.CALL:
                 for j, v in enumerate(tensor_inputs(op)):
-                    self._edge(v, self._by_need(op, j))
+                    self.wanted[v].append(self._by_need(op, j))
         self._outputs()
+        for v, wants in self.wanted.items():
+            if len(wants) > 1 and self.shared_moves:
+                self._shared(v, wants)
+            else:
+                for want in wants:
+                    self._edge(v, want)
         self._memory(memory_limit_bytes)
+
+    def _offered(self, v: Value) -> set[DistAttr]:
+        """Grouped shards ``v``'s producer offers where ``v`` descends from a value pinned
+        grouped (a plan's fused qkv ``S(0)x3``): the enumeration lacks them. Only there:
+        offering every producer placement (partials, grouped and uneven shards the rules
+        derive) made the 2-layer GPT's solve 15-25x slower (34-65 s, not 2.4 s) for the
+        same optimum."""
+        node = self.nodes[v.producer]
+        if v.producer.kind is OpKind.CALL:
+            if not any(u in self.grouped for u in tensor_inputs(v.producer)):
+                return set()
+            self.grouped.add(v)
+        return {d for c in node.cands if (d := c.outputs[v.index]) is not None
+                and any(isinstance(p, Shard) and p.groups != 1 for p in d.placements)}
 
     # -- edges -------------------------------------------------------------------------
     def _by_produced(self, v: Value) -> dict[DistAttr, list[int]]:
@@ -194,19 +236,30 @@ class _Builder:
             groups[cand.needs[j]].append(node.first + i)
         return groups
 
-    def _edge(self, v: Value, needs: dict[DistAttr, list[int]]) -> None:
-        """Pay moving ``v`` from its producer's placement to the one its consumer needs."""
+    def _edge(self, v: Value, needs: dict[DistAttr, list[int]], always: bool = True) -> None:
+        """Pay moving ``v`` from its producer's placement to the one its consumer needs;
+        ``needs``: placement -> the variables choosing it. With one key and ``always``,
+        the consumer needs it whatever it chooses: the cost is linear in the producer's
+        choice (a constant if that is fixed too)."""
         have = self._by_produced(v)
-        if len(have) == 1 or len(needs) == 1:
-            # one side is fixed: the cost is linear in the other side's choice
-            (p, fixed), other, src_fixed = ((next(iter(have.items()))), needs, True) \
-                if len(have) == 1 else ((next(iter(needs.items()))), have, False)
-            for q, xs in other.items():
-                cost = self.costs.move(v.type, p, q) if src_fixed else \
-                    self.costs.move(v.type, q, p)
-                for x in xs:
+        if len(needs) == 1 and always:
+            q = next(iter(needs))
+            for p, xs in have.items():
+                cost = self.costs.move(v.type, p, q)
+                if len(have) == 1:
+                    self.constant_s += cost
+                    self.constant_comm_s += _comm_part(cost)
+                for x in xs if len(have) > 1 else ():
                     self.c[x] += cost
                     self.comm[x] += _comm_part(cost)
+            return
+        if len(have) == 1:
+            p = next(iter(have))
+            for q, ys in needs.items():
+                cost = self.costs.move(v.type, p, q)
+                for y in ys:
+                    self.c[y] += cost
+                    self.comm[y] += _comm_part(cost)
             return
         for p, xs in have.items():
             for q, ys in needs.items():
@@ -218,6 +271,27 @@ class _Builder:
                 for x in (*xs, *ys):
                     coefs[x] = coefs.get(x, 0.0) - 1.0
                 self.rows.append((coefs, -1.0, np.inf))
+
+    def _shared(self, v: Value, wants: list[dict[DistAttr, list[int]]]) -> None:
+        """Several consumers: each distinct placement they need is paid once (reshard moves
+        a value once per target): ``u[q] >= sum x[consumer, c': need=q]`` per consumer, then
+        the producer-to-``q`` cost on ``u[q]`` as on a single edge."""
+        have = self._by_produced(v)
+        targets: dict[DistAttr, list[list[int]]] = defaultdict(list)
+        for want in wants:
+            for q, ys in want.items():
+                targets[q].append(ys)
+        for q, groups in targets.items():
+            costs = {p: self.costs.move(v.type, p, q) for p in have}
+            if not any(costs.values()):
+                continue
+            if any(not ys for ys in groups):          # needed whatever is chosen
+                self._edge(v, {q: []})
+                continue
+            u = self._var(0.0, 0.0, False)
+            for ys in groups:
+                self.rows.append(({u: 1.0, **{y: -1.0 for y in ys}}, 0.0, np.inf))
+            self._edge(v, {q: [u]}, always=False)
 
     def _outputs(self) -> None:
         """The loss and outputs are wanted replicated; an updated state goes back where the
@@ -231,9 +305,9 @@ class _Builder:
                 needs: dict[DistAttr, list[int]] = defaultdict(list)
                 for i, cand in enumerate(state.cands):
                     needs[cand.outputs[0]].append(state.first + i)
-                self._edge(v, needs)
+                self.wanted[v].append(needs)
             else:
-                self._edge(v, {DistAttr.replicated(self.mesh): []})
+                self.wanted[v].append({DistAttr.replicated(self.mesh): []})
 
     def _memory(self, limit: float | None) -> None:
         """Per-rank state bytes of each start strategy; a row when there is a limit."""
@@ -266,14 +340,19 @@ class _Builder:
 
 def solve_placements(program: Program, mesh: ProcessMesh, profile: Profile | None = None,
                      memory_limit_bytes: float | None = None,
-                     time_limit_s: float | None = None) -> PlacementChoice:
+                     time_limit_s: float | None = None, shared_moves: bool = False
+                     ) -> PlacementChoice:
     """Choose a strategy for every op of ``program`` (placed values stay as pinned) on
     ``mesh``, minimising predicted step seconds on ``profile`` (default: the reference
     profile), within ``memory_limit_bytes`` of parameters, gradients and optimizer state per
-    rank. Raises ValueError when no placement fits the limit."""
+    rank. ``shared_moves``: a value several consumers need in one placement is moved (and
+    paid) once, as the reshard pass does, at the price of a variable per (value, placement)
+    and one row per consumer: on the 2-layer E=512 GPT it chose the same plan with a solve
+    7x slower (30 s, not 4 s), so it is off by default. Raises ValueError when no placement
+    fits the limit."""
     profile = profile or Profile.reference()
     start = time.perf_counter()
-    builder = _Builder(program, mesh, profile)
+    builder = _Builder(program, mesh, profile, shared_moves)
     builder.build(memory_limit_bytes)
     constraints = builder.matrix()
     build_s = time.perf_counter() - start
@@ -306,8 +385,8 @@ def _choice(builder: _Builder, result, build_s: float, solve_s: float, n: int
             if dist is not None:
                 values[v] = dist
     rounded = np.round(x)
-    comm = float(np.dot(builder.comm, rounded))
-    penalty = float(np.dot(builder.c, rounded)) - comm - compute
+    comm = float(np.dot(builder.comm, rounded)) + builder.constant_comm_s
+    penalty = float(np.dot(builder.c, rounded)) + builder.constant_s - comm - compute
     params = {op.attrs[NAME]: values[op.result] for op in builder.program.states(StateKind.PARAM)
               if op.result in values}
     return PlacementChoice(values, strategies, comm, compute, max(penalty, 0.0), state_bytes,

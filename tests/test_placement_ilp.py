@@ -9,6 +9,7 @@ import torch
 import autopar as ap
 from autopar.annotations import param_annotation
 from autopar.auto import auto_placements, placed_program, solve_placements
+from autopar.auto.ilp_completion import commit_choice
 from autopar.ir import Role
 from autopar.ir.dist import Replicate, Shard
 from autopar.models import GPT, GPTConfig
@@ -120,3 +121,20 @@ def test_gpt_tp2_plan_costs_no_more_than_the_hand_plan_and_trains_like_eager():
                              batch_size=4, steps=2)
     assert_same_losses(losses, ref_losses)
     assert_same_params(model, ref)
+
+
+def test_ilp_completion_commits_the_solution_and_a_shared_move_is_paid_once():
+    """The ILP's own completion (auto.ilp_completion) places every value as solved; the step
+    then communicates once: fc2's partial sum (x needs no gradient, so no backward one)."""
+    model = MLP(512, 2048)
+    x, y = torch.randn(4, 512), torch.randn(4, 512)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = ap.Strategy.from_yaml_str(MESH)
+    program, ctx = placed_program(model, _mse, opt, strategy, x, y)
+    each = solve_placements(program, ctx.state.mesh)
+    once = solve_placements(program, ctx.state.mesh, shared_moves=True)
+    assert once.objective_s <= each.objective_s * (1 + 1e-9)
+    commit_choice(program, once)
+    assert all(v.dist is not None for op in program.ops for v in op.outputs if v.is_tensor)
+    moves = [m.kind for m in planned_moves(program) if m.kind not in ("make_partial", "slice")]
+    assert moves == ["all_reduce"]
