@@ -13,8 +13,9 @@ from dataclasses import replace
 
 from ..ir import OpKind, Program
 from ..ir.attrs import NAME
-from ..ir.dist import DistAttr
+from ..ir.dist import ProcessMesh
 from ..ir.reason import Reason
+from ..passes.completion import place_outputs
 from ..passes.context import PassContext
 from ..passes.manager import PIPELINE
 from ..spmd.registry import tensor_inputs
@@ -30,11 +31,11 @@ def ilp_completion(program: Program, ctx: PassContext) -> Program:
     limit = ctx.strategy.memory_limit_gb
     choice = solve_placements(program, mesh, memory_limit_bytes=None if limit is None
                               else limit * 2**30)
-    commit_choice(program, choice)
+    commit_choice(program, choice, mesh)
     return program
 
 
-def commit_choice(program: Program, choice: PlacementChoice) -> None:
+def commit_choice(program: Program, choice: PlacementChoice, mesh: ProcessMesh) -> None:
     """Place every unplaced tensor value and set every CALL op's needs as ``choice`` says;
     the loss and outputs are needed replicated, updated state where the state lives."""
     why = f"placement ILP ({choice.objective_s * 1e3:.3f} ms predicted)"
@@ -52,24 +53,7 @@ def commit_choice(program: Program, choice: PlacementChoice) -> None:
                                if op.kind is OpKind.CALL else f"{why}: {op.attrs[NAME]}",
                                op if op.kind is OpKind.CALL else None,
                                tuple(tensor_inputs(op)) if op.kind is OpKind.CALL else ())
-    _output_needs(program)
-
-
-def _output_needs(program: Program) -> None:
-    """As completion: loss and outputs replicated, updates where their state lives,
-    gradients as computed."""
-    states = {op.attrs[NAME]: op.result for op in program.ops_of(OpKind.STATE)}
-    needs = []
-    for slot, v in program.results():
-        if not v.is_tensor:
-            continue
-        if slot.kind == "update":
-            needs.append(states[slot.name].dist)
-        elif slot.kind == "grad":
-            needs.append(v.dist)
-        else:
-            needs.append(DistAttr.replicated(v.dist.mesh))
-    program.output_op.needs = tuple(needs)
+    place_outputs(program, mesh)
 
 
 AUTO_PIPELINE = tuple(replace(p, name="ilp_completion", run=ilp_completion)

@@ -194,18 +194,22 @@ class _Completion:
         return placed or default
 
     def _place_outputs(self) -> None:
-        """The loss and model outputs are wanted whole on every rank; updated state goes back
-        where the state lives; gradients stay as computed."""
-        out = self.program.output_op
-        states = {op.attrs[NAME]: op.result for op in self.program.ops_of(OpKind.STATE)}
-        needs = []
-        for slot, v in self.program.results():
-            if not v.is_tensor:
-                continue
-            if slot.kind == "update":
-                needs.append(states[slot.name].dist)
-            elif slot.kind == "grad":
-                needs.append(v.dist)
-            else:
-                needs.append(DistAttr.replicated(self.mesh))
-        out.needs = tuple(needs)
+        place_outputs(self.program, self.mesh)
+
+
+def place_outputs(program: Program, mesh: ProcessMesh) -> None:
+    """The loss and model outputs are wanted whole on every rank; updated state goes back
+    where the state lives; gradients stay as computed (also the ILP's completion)."""
+    out = program.output_op
+    states = {op.attrs[NAME]: op.result for op in program.ops_of(OpKind.STATE)}
+    needs = []
+    for slot, v in program.results():
+        if not v.is_tensor:
+            continue
+        if slot.kind == "update":
+            needs.append(states[slot.name].dist)
+        elif slot.kind == "grad":
+            needs.append(v.dist)
+        else:
+            needs.append(DistAttr.replicated(mesh))
+    out.needs = tuple(needs)

@@ -134,7 +134,7 @@ def test_ilp_completion_commits_the_solution_and_a_shared_move_is_paid_once():
     each = solve_placements(program, ctx.state.mesh)
     once = solve_placements(program, ctx.state.mesh, shared_moves=True)
     assert once.objective_s <= each.objective_s * (1 + 1e-9)
-    commit_choice(program, once)
+    commit_choice(program, once, ctx.state.mesh)
     assert all(v.dist is not None for op in program.ops for v in op.outputs if v.is_tensor)
     moves = [m.kind for m in planned_moves(program) if m.kind not in ("make_partial", "slice")]
     assert moves == ["all_reduce"]
