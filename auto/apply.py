@@ -25,6 +25,7 @@ from ..passes.manager import PIPELINE, PassManager
 from ..passes.pinning import pin
 from ..strategy import Strategy
 from .placement_ilp import PlacementChoice, solve_placements
+from .tp_plan import tensor_parallel_plan_of
 
 __all__ = ["AutoPlacements", "auto_placements", "pin_placements", "placed_program"]
 
@@ -32,11 +33,14 @@ __all__ = ["AutoPlacements", "auto_placements", "pin_placements", "placed_progra
 @dataclass
 class AutoPlacements:
     """What the ILP chose for one strategy's mesh: each parameter's placement, each fed
-    input's, and the solved program (costs, timings)."""
+    input's, the solved program (costs, timings), and the choice as a
+    ``tensor_parallel.plan`` where it is one (else None, and ``tp_plan_why`` says why)."""
 
     params: dict[str, DistAttr]
     inputs: dict[str, DistAttr]
     choice: PlacementChoice
+    tp_plan: dict[str, str] | None = None
+    tp_plan_why: str = ""
 
 
 def placed_program(model: torch.nn.Module, loss: Callable | None,
@@ -82,4 +86,5 @@ def auto_placements(model: torch.nn.Module, loss: Callable | None,
     choice = solve_placements(program, mesh, profile, memory_limit_bytes)
     fed = {op.attrs[NAME]: choice.values[op.result] for op in program.ops_of(OpKind.INPUT)
            if op.result.is_tensor and op.result in choice.values}
-    return AutoPlacements(dict(choice.params), fed, choice)
+    plan, why = tensor_parallel_plan_of(program, choice.params, mesh)
+    return AutoPlacements(dict(choice.params), fed, choice, plan, why)

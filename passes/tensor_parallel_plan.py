@@ -54,7 +54,7 @@ from ..spmd.spec import UNSHARDABLE
 from .context import PassContext
 from .pinning import AnnotationError, pin
 
-__all__ = ["tensor_parallel_plan", "plan_entries"]
+__all__ = ["tensor_parallel_plan", "plan_entries", "style_placement"]
 
 
 def tensor_parallel_plan(program: Program, ctx: PassContext) -> Program:
@@ -77,6 +77,15 @@ def tensor_parallel_plan(program: Program, ctx: PassContext) -> Program:
             pin(value, dist, Reason("plan", f"tensor_parallel.plan {pattern!r}: {style}, "
                                             f"{what} on {tp.axis}"))
     return program
+
+
+def style_placement(value: Value, style: str, axis: int, mesh: ProcessMesh,
+                    users: dict[Value, list[Op]], name: str) -> DistAttr:
+    """Where plan style ``style`` puts parameter ``name`` on mesh dim ``axis`` (what the pass
+    would pin); AnnotationError if the style does not apply to it."""
+    dim, groups, _ = _plan_dim(value, style, axis, mesh, users, name, name.rpartition(".")[0])
+    placement = Replicate() if dim is None else Shard(dim, groups)
+    return DistAttr.replicated(mesh).with_placement(axis, placement)
 
 
 def plan_entries(plan: dict[str, str], params: dict[str, Value]

@@ -138,3 +138,9 @@ def test_ilp_completion_commits_the_solution_and_a_shared_move_is_paid_once():
     assert all(v.dist is not None for op in program.ops for v in op.outputs if v.is_tensor)
     moves = [m.kind for m in planned_moves(program) if m.kind not in ("make_partial", "slice")]
     assert moves == ["all_reduce"]
+
+
+def test_the_megatron_choice_reads_back_as_a_colwise_rowwise_plan():
+    found = _solve(MLP(512, 2048), rows=4)
+    assert (found.tp_plan, found.tp_plan_why) == ({"fc1": "colwise", "fc2": "rowwise"}, "")
+    assert _solve(MLP(64, 64), rows=16384).tp_plan == {}     # data parallel: no TP entries
