@@ -74,19 +74,24 @@ class Settings:
     repeats: int                          # timed batches of each compute point
     comm_repeats: int                     # timed calls of each collective point
     overhead_ops: int = 256
+    half_matmul_flops: tuple[float, ...] = (1e4, 1e6, 1e8)    # half precision: slow on CPU
+    half_pointwise_bytes: tuple[float, ...] = (1024.0, 65536.0, 4194304.0)
 
     @classmethod
     def default(cls) -> Settings:
         return cls(matmul_flops=tuple(10 ** (k / 2) for k in range(6, 19)),
                    pointwise_bytes=tuple(float(4 ** k) for k in range(3, 14)),
                    collective_bytes=tuple(4 ** k for k in range(5, 13)),
-                   batch_s=0.02, repeats=9, comm_repeats=31)
+                   batch_s=0.02, repeats=9, comm_repeats=31,
+                   half_matmul_flops=tuple(10.0 ** k for k in range(3, 9)),
+                   half_pointwise_bytes=tuple(float(4 ** k) for k in range(4, 13, 2)))
 
     @classmethod
     def quick(cls) -> Settings:
         return cls(matmul_flops=(1e3, 1e5, 1e7), pointwise_bytes=(256.0, 16384.0, 1048576.0),
                    collective_bytes=(1024, 65536, 1048576), batch_s=0.004, repeats=3,
-                   comm_repeats=3, overhead_ops=64)
+                   comm_repeats=3, overhead_ops=64, half_matmul_flops=(1e4, 1e6),
+                   half_pointwise_bytes=(1024.0, 65536.0))
 
 
 # ------------------------------------------------------------------------------- timing
@@ -149,41 +154,73 @@ def _geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
-def _matmul_curve(settings: Settings) -> list[float]:
-    """Seconds of one mm of each of ``settings.matmul_flops``: the shapes' mean
+def _matmul_curve(settings: Settings, sizes: tuple[float, ...],
+                  dtype: torch.dtype = torch.float32) -> list[float]:
+    """Seconds of one mm of ``dtype`` of each of ``sizes`` (FLOPs): the shapes' mean
     (geometric) throughput."""
     mm = _kernel("aten.mm.default")
     probes, work = [], []
-    for flops in settings.matmul_flops:
+    for flops in sizes:
         for m, k, n in _matmul_shapes(flops):
-            a, b = torch.randn(m, k), torch.randn(n, k).t()    # a Linear's transposed weight
+            a = torch.randn(m, k, dtype=dtype)
+            b = torch.randn(n, k, dtype=dtype).t()              # a Linear's transposed weight
             probes.append(_batch_probe(functools.partial(mm, a, b), settings.batch_s))
             work.append(2 * m * k * n)
     rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats))]
-    per = len(rates) // len(settings.matmul_flops)
-    return [flops / _geomean(rates[i * per:(i + 1) * per])
-            for i, flops in enumerate(settings.matmul_flops)]
+    per = len(rates) // len(sizes)
+    return [flops / _geomean(rates[i * per:(i + 1) * per]) for i, flops in enumerate(sizes)]
 
 
 # (target, tensor inputs, bytes read + written per element, fp32)
 POINTWISE = (("aten.add.Tensor", 2, 12), ("aten.mul.Tensor", 2, 12), ("aten.gelu.default", 1, 8))
 
 
-def _pointwise_curve(settings: Settings) -> list[float]:
-    """Seconds of one memory-bound op moving each of ``settings.pointwise_bytes``: the
+def _pointwise_curve(settings: Settings, sizes: tuple[float, ...],
+                     dtype: torch.dtype = torch.float32) -> list[float]:
+    """Seconds of one memory-bound op of ``dtype`` moving each of ``sizes`` (bytes): the
     ops' mean throughput."""
     probes, work = [], []
-    for nbytes in settings.pointwise_bytes:
-        for target, inputs, per_element in POINTWISE:
+    scale = dtype.itemsize / 4
+    for nbytes in sizes:
+        for target, inputs, fp32_per_element in POINTWISE:
+            per_element = fp32_per_element * scale
             n = max(1, round(nbytes / per_element))
-            args = [torch.randn(n) for _ in range(inputs)]
+            args = [torch.randn(n, dtype=dtype) for _ in range(inputs)]
             probes.append(_batch_probe(functools.partial(_kernel(target), *args),
                                        settings.batch_s))
             work.append(n * per_element)
     rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats))]
     per = len(POINTWISE)
-    return [nbytes / _geomean(rates[i * per:(i + 1) * per])
-            for i, nbytes in enumerate(settings.pointwise_bytes)]
+    return [nbytes / _geomean(rates[i * per:(i + 1) * per]) for i, nbytes in enumerate(sizes)]
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _slowdown_probes(settings: Settings) -> list[Probe]:
+    """What the slowdown is measured on: a mid-size and a large matmul, a pointwise add."""
+    mm, add = _kernel("aten.mm.default"), _kernel("aten.add.Tensor")
+    mid, large = torch.randn(128, 256), torch.randn(512, 512)
+    x, y = torch.randn(1 << 18), torch.randn(1 << 18)
+    return [_batch_probe(functools.partial(mm, mid, torch.randn(512, 256).t()), settings.batch_s),
+            _batch_probe(functools.partial(mm, large, large), settings.batch_s),
+            _batch_probe(functools.partial(add, x, y), settings.batch_s)]
+
+
+def measure_slowdown(settings: Settings, world: int, rank: int) -> list[list[float] | None]:
+    """For P = 1..world processes computing at once (ranks below P; the others wait at
+    the barrier), this process's median seconds of each slowdown probe (None: idle)."""
+    probes = _slowdown_probes(settings)
+    out: list[list[float] | None] = []
+    for active in range(1, world + 1):
+        samples: list[list[float]] = [[] for _ in probes]
+        for _ in range(settings.repeats):
+            for probe, mine in zip(probes, samples):
+                _barrier()
+                if rank < active:
+                    mine.append(probe())
+        out.append([statistics.median(m) for m in samples] if rank < active else None)
+    return out
 
 
 def _tiny_add_program(ops: int) -> Program:
@@ -234,11 +271,20 @@ def measure_compute(settings: Settings) -> dict[str, list[float]]:
     torch.manual_seed(0)
     gc.collect()
     with torch.no_grad():
-        matmul = _matmul_curve(settings)
-        pointwise = _pointwise_curve(settings)
+        out = {"matmul": _matmul_curve(settings, settings.matmul_flops),
+               "pointwise": _pointwise_curve(settings, settings.pointwise_bytes)}
+        for dtype in HALF:
+            name = _dtype_name(dtype)
+            out["matmul:" + name] = _matmul_curve(settings, settings.half_matmul_flops, dtype)
+            out["pointwise:" + name] = _pointwise_curve(settings, settings.half_pointwise_bytes,
+                                                        dtype)
         executor_s, direct_s = _executor_overhead(settings)
-    return {"matmul": matmul, "pointwise": pointwise, "executor": [executor_s],
-            "direct": [direct_s]}
+    out.update(executor=[executor_s], direct=[direct_s])
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def monotone_curve(sizes: tuple[float, ...], seconds: list[float]) -> Curve:
@@ -397,15 +443,18 @@ def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     compute = measure_compute(settings)
+    with torch.no_grad():
+        slowdown = measure_slowdown(settings, world, rank)
     collectives = measure_collectives(settings, world) if world > 1 else {}
-    mine = {"compute": compute, "collectives": collectives}
+    mine = {"compute": compute, "collectives": collectives, "slowdown": slowdown}
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
     if rank != 0:
         return None
-    measured = {"compute": _median_compute(everyone), "collectives": _median_comm(everyone)}
+    measured = {"compute": _median_compute(everyone), "collectives": _median_comm(everyone),
+                "slowdown": _slowdown(everyone)}
     return _profile(settings, processes, measured), measured
 
 
@@ -414,6 +463,19 @@ def _median_compute(everyone: list[dict]) -> dict[str, list[float]]:
     first = everyone[0]["compute"]
     return {key: [statistics.median(p["compute"][key][i] for p in everyone)
                   for i in range(len(values))] for key, values in first.items()}
+
+
+def _slowdown(everyone: list[dict]) -> dict[int, float]:
+    """P -> the probes' mean (geometric) ratio of P processes' time (median over the
+    active ones) to all processes' time."""
+    world = len(everyone)
+
+    def times(active: int) -> list[float]:
+        rows = [p["slowdown"][active - 1] for p in everyone[:active]]
+        return [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
+    full = times(world)
+    return {active: _geomean([t / f for t, f in zip(times(active), full)])
+            for active in range(1, world + 1)}
 
 
 def _median_comm(everyone: list[dict]) -> dict[str, dict[int, list[tuple[float, float]]]]:
@@ -434,6 +496,13 @@ def _profile(settings: Settings, processes: int, measured: dict) -> Profile:
         matmul=monotone_curve(settings.matmul_flops, compute["matmul"]),
         pointwise=monotone_curve(settings.pointwise_bytes, compute["pointwise"]),
         op_overhead_s=max(0.0, compute["executor"][0] - compute["direct"][0]),
+        matmul_dtypes={_dtype_name(d): monotone_curve(settings.half_matmul_flops,
+                                                      compute["matmul:" + _dtype_name(d)])
+                       for d in HALF},
+        pointwise_dtypes={_dtype_name(d): monotone_curve(
+            settings.half_pointwise_bytes, compute["pointwise:" + _dtype_name(d)])
+            for d in HALF},
+        slowdown=measured["slowdown"],
         collectives={kind: {n: fit_alpha_beta(points) for n, points in by_n.items()}
                      for kind, by_n in measured["collectives"].items()})
 
@@ -457,6 +526,14 @@ def summary(profile: Profile, measured: dict, out: str) -> str:
     lines.append("pointwise (add/mul/gelu; bytes read + written):")
     for size, t in _rows_to_show(profile.pointwise.points):
         lines.append(f"  {size:10.3g} B    {t * 1e6:10.1f} us  {size / t / 1e9:7.2f} GB/s")
+    for name, curve in profile.matmul_dtypes.items():
+        size, t = curve.points[-1]
+        lines.append(f"matmul {name}: {size:.3g} FLOP {size / t / 1e9:.2f} GFLOP/s; pointwise "
+                     f"{name}: {profile.pointwise_dtypes[name].throughput(4e6) / 1e9:.2f} "
+                     "GB/s at 4 MB")
+    lines.append("slowdown (processes computing at once: time relative to all "
+                 f"{profile.processes}): " + ", ".join(
+                     f"{p}: {s:.2f}" for p, s in sorted(profile.slowdown.items())))
     lines.append(f"executor: {compute['executor'][0] * 1e6:.2f} us per tiny op in generated "
                  f"code, {compute['direct'][0] * 1e6:.2f} us called directly: overhead "
                  f"{profile.op_overhead_s * 1e6:.2f} us per op")

@@ -26,11 +26,14 @@ it; on a rank whose first job waits for a message this counts them even when the
 hide in the wait) and its ``post`` job after its last one.
 
 Processes sharing cores: the profile was measured with ``profile.processes`` processes of
-``profile.threads`` threads running at once on the machine's cores (the ``N cpus`` of
-``profile.machine``), so its times hold that time-sharing. A plan of P processes on that
-machine time-shares by ``max(1, P x threads / cpus)`` instead of the profile's own
-``max(1, processes x threads / cpus)``: compute (the curves and the executor's overhead,
-CPU throughput) is scaled by their ratio, ``contention``. Collectives are not: over
+``profile.threads`` threads running at once on the machine's cores, so its times hold that
+time-sharing. A plan of P processes has its compute (the curves and the executor's
+overhead) scaled by ``contention``: the profile's measured ``slowdown`` of P processes
+computing at once (``Profile.contention``; on 2 cores, 1 process alone runs at ~0.6 the
+time of 4 together, not the 0.5 linear core-sharing would say). A profile without it
+(hand-made ones in tests) falls back to the ratio of ``max(1, P x threads / cpus)`` to the
+profile's own. Ops are timed on their dtype's curve (``op_dtype``; half precision has its
+own curves, fp32's for dtypes not measured). Collectives are not: over
 loopback gloo they are latency-bound (a 128 KiB all-reduce on 2 processes alone takes about
 0.8x its time with 4 processes on the 2 cores, not 0.5x). The planner asks about one
 machine, the one calibrated.
@@ -74,7 +77,7 @@ from ..reshard.steps import AllGather, AllReduce, ReduceScatter
 from .profile import Profile
 
 __all__ = ["ProcessTime", "StepTime", "predict_step", "op_seconds", "comm_seconds", "contention",
-           "MATMUL", "VIEWS", "KERNELS", "format_step_time"]
+           "MATMUL", "VIEWS", "KERNELS", "format_step_time", "op_dtype"]
 
 
 # --------------------------------------------------------------------------------------
@@ -168,12 +171,22 @@ def op_seconds(op: Op, profile: Profile) -> float:
     """Compute time of one CALL op (local shapes), without the executor's overhead."""
     if op.target in VIEWS:
         return 0.0
+    dtype = op_dtype(op)
     rule = MATMUL.get(op.target)
     if rule is not None:
-        return profile.matmul.seconds(rule(op))
+        return profile.matmul_curve(dtype).seconds(rule(op))
     kernels = KERNELS.get(op.target)
     sizes = kernels(op) if kernels is not None else [_moved_bytes(op)]
-    return sum(profile.pointwise.seconds(b) for b in sizes if b > 0)
+    curve = profile.pointwise_curve(dtype)
+    return sum(curve.seconds(b) for b in sizes if b > 0)
+
+
+def op_dtype(op: Op) -> str:
+    """The dtype name an op computes in: its first tensor input's ("float32" if none)."""
+    first = next((v for v in op.inputs if v.is_tensor), None)
+    if first is None or not isinstance(first.type, TensorType):
+        return "float32"
+    return str(first.type.dtype).removeprefix("torch.")
 
 
 # --------------------------------------------------------------------------------------
@@ -365,6 +378,8 @@ def contention(processes: int, profile: Profile) -> float:
     """How much slower each process of a ``processes``-process plan runs than the profile's
     measurement did, from the cores they time-share (1 when the profile names no core
     count)."""
+    if profile.slowdown:
+        return profile.contention(processes)
     cpus = profile_cpus(profile)
     if cpus is None:
         return 1.0

@@ -24,7 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, field_validator
 
 __all__ = ["AlphaBeta", "Curve", "Profile", "ProfileNotFound", "COLLECTIVE_KINDS",
-           "default_profile", "default_profile_path", "REFERENCE_PROFILE"]
+           "default_profile", "default_profile_path", "REFERENCE_PROFILE", "PROFILE_VERSION"]
 
 # the collectives a plan may insert (send_recv: one pipeline message, bytes of the tensor)
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
@@ -108,10 +108,20 @@ def default_profile_path() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "autopar" / "profile.json"
 
 
-class Profile(BaseModel):
-    """What ``python -m autopar calibrate`` measured on one machine."""
+PROFILE_VERSION = 2
 
-    version: int = 1
+
+class Profile(BaseModel):
+    """What ``python -m autopar calibrate`` measured on one machine.
+
+    ``matmul``/``pointwise`` are fp32; ``matmul_dtypes``/``pointwise_dtypes`` hold the
+    half-precision curves by dtype name (``"float16"``, ``"bfloat16"``): CPU half matmuls
+    run at a small fraction of fp32's rate. ``slowdown``: processes computing at once ->
+    their time relative to the curves' measurement (all ``processes`` at once), measured
+    with the others idle at a barrier: time-sharing cores is not linear in the processes.
+    """
+
+    version: int = PROFILE_VERSION
     machine: str                 # platform.node(), cpu count, torch version, backend
     processes: int               # concurrent processes the compute curves were measured with
     threads: int                 # torch threads per process during measurement
@@ -119,6 +129,45 @@ class Profile(BaseModel):
     pointwise: Curve             # size = bytes read + written by one memory-bound op
     op_overhead_s: float         # what the executor adds per op on top of the aten call
     collectives: dict[str, dict[int, AlphaBeta]]   # kind -> group size -> alpha/beta
+    matmul_dtypes: dict[str, Curve] = {}
+    pointwise_dtypes: dict[str, Curve] = {}
+    slowdown: dict[int, float] = {}
+
+    @field_validator("version")
+    @classmethod
+    def _check_version(cls, version: int) -> int:
+        if version != PROFILE_VERSION:
+            raise ValueError(f"cost profile format version {version}, this autopar reads "
+                             f"version {PROFILE_VERSION}: re-run `python -m autopar calibrate`"
+                             " to measure a new profile")
+        return version
+
+    def matmul_curve(self, dtype: str) -> Curve:
+        """The matmul curve for ops of ``dtype`` (a name: "float16"); fp32's otherwise."""
+        return self.matmul_dtypes.get(dtype, self.matmul)
+
+    def pointwise_curve(self, dtype: str) -> Curve:
+        """The pointwise curve for ops of ``dtype``; fp32's otherwise."""
+        return self.pointwise_dtypes.get(dtype, self.pointwise)
+
+    def contention(self, processes: int) -> float:
+        """Compute time of ``processes`` processes running at once relative to the curves'
+        measurement: the measured slowdown, interpolated linearly between measured counts;
+        beyond the largest, time grows with processes per the largest's rate (the cores
+        are all busy); below the smallest, the smallest's. 1 when nothing was measured."""
+        if not self.slowdown:
+            return 1.0
+        counts = sorted(self.slowdown)
+        if processes in self.slowdown:
+            return self.slowdown[processes]
+        if processes < counts[0]:
+            return self.slowdown[counts[0]]
+        if processes > counts[-1]:
+            return self.slowdown[counts[-1]] * processes / counts[-1]
+        i = bisect.bisect_right(counts, processes)
+        lo, hi = counts[i - 1], counts[i]
+        f = (processes - lo) / (hi - lo)
+        return self.slowdown[lo] + f * (self.slowdown[hi] - self.slowdown[lo])
 
     @field_validator("collectives")
     @classmethod

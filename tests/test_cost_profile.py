@@ -165,6 +165,11 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path):
     assert mm.throughput(mm.points[-1][0]) > 3 * mm.throughput(mm.points[0][0])
     assert pw.throughput(pw.points[-1][0]) > 3 * pw.throughput(pw.points[0][0])
     assert all(t < 1.0 for _, t in mm.points + pw.points)
+    # measured half-precision curves and the slowdown of 1 and 2 processes computing
+    assert set(profile.matmul_dtypes) == set(profile.pointwise_dtypes) == {"float16",
+                                                                         "bfloat16"}
+    assert sorted(profile.slowdown) == [1, 2] and profile.slowdown[2] == pytest.approx(1.0)
+    assert all(0 < s < 3 for s in profile.slowdown.values())
 
 
 def test_the_shipped_reference_profile_is_a_full_four_process_gloo_profile():
@@ -174,3 +179,5 @@ def test_the_shipped_reference_profile_is_a_full_four_process_gloo_profile():
     for kind, by_size in reference.collectives.items():
         assert sorted(by_size) == ([2] if kind == "send_recv" else [2, 4]), kind
     assert reference.matmul.points[-1][0] >= 1e9 and reference.pointwise.points[-1][0] >= 6e7
+    assert sorted(reference.slowdown) == [1, 2, 3, 4]
+    assert set(reference.matmul_dtypes) == {"float16", "bfloat16"}
