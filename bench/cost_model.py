@@ -179,7 +179,7 @@ def summarize(rows: list[dict], profile: Profile, label: str) -> None:
     fp32 = [r for r in rows if not half_precision(r["config"])]
     parts = [(f"GPT {size}", [r for r in rows if r["size"] == size])
              for size in sorted({r["size"] for r in rows})]
-    parts.append(("fp32 configs only (the profile's curves are fp32)", fp32))
+    parts.append(("fp32 configs only", fp32))
     for what, part in parts:
         if len(part) < 2:
             continue
