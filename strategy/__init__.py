@@ -12,6 +12,7 @@ from .config import (
 )
 from .sections import (
     AmpConfig,
+    AutoConfig,
     DataParallelConfig,
     DebugConfig,
     ExpertParallelConfig,
@@ -30,6 +31,7 @@ __all__ = [
     "AXIS_SECTIONS",
     "DUMP_DIR_ENV",
     "AmpConfig",
+    "AutoConfig",
     "DataParallelConfig",
     "DebugConfig",
     "ExpertParallelConfig",

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, model_validator
 from .sections import (
     STRICT,
     AmpConfig,
+    AutoConfig,
     DataParallelConfig,
     DebugConfig,
     ExpertParallelConfig,
@@ -101,6 +102,9 @@ class Strategy(BaseModel):
     # Per-rank memory budget in GiB: planning fails, naming the biggest holders, when a
     # rank's predicted peak (``engine.cost``) exceeds it. None: no check.
     memory_limit_gb: float | None = Field(default=None, gt=0)
+    # The planner chooses the mesh, degrees and placements (``autopar.auto``); the sections
+    # above that are present are constraints it keeps.
+    auto: AutoConfig | None = None
 
     # ---- construction -------------------------------------------------------------------
 
@@ -165,7 +169,9 @@ class Strategy(BaseModel):
                 for name, config in self._axis_sections().items() if config.axis not in names
                 # a pipeline without a mesh takes its stages from the meshes layers are
                 # annotated on (semi-auto); the planner checks there are several
-                and not (name == "pipeline" and self.mesh is None)]
+                and not (name == "pipeline" and self.mesh is None)
+                # under ``auto`` without a mesh, the planner makes one with these axes
+                and not (self.auto is not None and self.mesh is None)]
 
     def _shared_axis_problems(self) -> list[str]:
         sections = list(self._axis_sections().items())

@@ -366,6 +366,36 @@ class GradClipConfig(Section):
         return self.max_norm is not None
 
 
+class AutoConfig(Section):
+    """Let the planner choose: over ``devices`` ranks it searches the mesh and the degrees
+    of the ``axes`` it may use (data, tensor and pipeline parallel), ZeRO stages, pipeline
+    micro-batches and recompute of the repeated layers, and inside each candidate the
+    tensor-parallel placements (an integer program); it keeps the candidate its cost model
+    predicts fastest within ``memory_limit_gb`` per rank. Sections written beside ``auto``
+    are constraints it keeps (a mesh, a tensor-parallel plan, a ZeRO stage, ...), and so are
+    ``shard_tensor`` annotations. ``profile``: a machine profile JSON (``python -m autopar
+    calibrate``); default this machine's, else the shipped reference (the report says so)."""
+
+    SECTION: ClassVar[str] = "auto"
+    devices: PositiveInt
+    memory_limit_gb: Annotated[float, Field(gt=0)] | None = None
+    axes: tuple[Literal["dp", "tp", "pp"], ...] = Field(default=("dp", "tp", "pp"), min_length=1)
+    zero_stages: tuple[Annotated[int, Field(strict=True, ge=0, le=3)], ...] = (0, 1, 2, 3)
+    micro_batches: tuple[PositiveInt, ...] | None = None   # None: pp and 2 pp
+    schedule: Literal["FThenB", "1F1B", "ZBH1"] = "1F1B"
+    recompute: StrictBool = True            # may recompute the repeated layers to fit memory
+    time_budget_s: Annotated[float, Field(gt=0)] = 60.0
+    top: PositiveInt = 5                    # candidates shown side by side
+    profile: Annotated[str, Field(strict=True, min_length=1)] | None = None
+
+    @field_validator("axes", "zero_stages", "micro_batches")
+    @classmethod
+    def _no_repeats(cls, value: tuple | None) -> tuple | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"auto: {list(value)} repeats an entry")
+        return value
+
+
 class DebugConfig(Section):
     """Debug aids: IR dumps, verifiers between passes, strict SPMD rule lookup.
 
