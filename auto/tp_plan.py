@@ -17,7 +17,7 @@ from ..ir.dist import DistAttr, ProcessMesh
 from ..passes.pinning import AnnotationError
 from ..passes.tensor_parallel_plan import style_placement
 
-__all__ = ["tensor_parallel_plan_of"]
+__all__ = ["tensor_parallel_plan_of", "nearest_tensor_parallel_plan"]
 
 STYLES = ("colwise", "rowwise", "vocab")
 
@@ -48,6 +48,51 @@ def tensor_parallel_plan_of(program: Program, params: dict[str, DistAttr], mesh:
             return None, f"no plan style gives module {module!r} its placements ({chosen})"
         plan[module] = style
     return plan, ""
+
+
+def nearest_tensor_parallel_plan(program: Program, params: dict[str, DistAttr],
+                                 mesh: ProcessMesh) -> tuple[dict[str, str] | None, list[str]]:
+    """The plan closest to ``params`` when no plan is exact: each module with a sharded
+    parameter gets the first style that shards the same dims of its parameters over the
+    same mesh dim, grouped or not (the ILP's candidates lack the grouped shards a fused qkv
+    needs: it picks ``S(0)`` where colwise's ``S(0)x3`` keeps heads whole). (None, why) when
+    the shards span several mesh dims or a module has no such style; the notes list each
+    module taken inexactly."""
+    plan, why = tensor_parallel_plan_of(program, params, mesh)
+    if plan is not None or len({m for d in params.values() for m, p in enumerate(d.placements)
+                                if not p.is_replicate()}) > 1:
+        return plan, [why] if plan is None else []
+    axis = next(m for d in params.values() for m, p in enumerate(d.placements)
+                if not p.is_replicate())
+    values = {op.attrs[NAME]: op.result for op in program.states(StateKind.PARAM)}
+    modules: dict[str, list[str]] = defaultdict(list)
+    for name in params:
+        modules[name.rpartition(".")[0]].append(name)
+    users, plan, notes = program.users(), {}, []
+    for module, names in sorted(modules.items()):
+        if all(params[n].placements[axis].is_replicate() for n in names):
+            continue
+        exact = next((s for s in STYLES if _reproduces(s, names, params, values, axis, mesh,
+                                                       users)), None)
+        style = exact or next((s for s in STYLES if _same_dims(s, names, params, values, axis,
+                                                               mesh, users)), None)
+        if style is None:
+            return None, [f"no plan style shards module {module!r} on the dims the ILP chose"]
+        if exact is None:
+            notes.append(f"{module}: the ILP's {params[names[0]]} taken as {style}")
+        plan[module] = style
+    return plan, notes
+
+
+def _same_dims(style, names, params, values, axis, mesh, users) -> bool:
+    def dim(d: DistAttr):
+        p = d.placements[axis]
+        return None if p.is_replicate() else getattr(p, "dim", "other")
+    try:
+        return all(dim(style_placement(values[n], style, axis, mesh, users, n)) == dim(params[n])
+                   for n in names)
+    except AnnotationError:
+        return False
 
 
 def _reproduces(style, names, params, values, axis, mesh, users) -> bool:

@@ -1,0 +1,252 @@
+"""The planner: the strategy the cost model predicts fastest within the memory limit.
+
+1. The space (``auto.space``): every (dp, tp, pp) of ``auto.devices`` ranks on the allowed
+   axes, each pipeline with each micro-batch count, no ZeRO and no recompute; what the user
+   fixed (sections beside ``auto``, annotations) stays fixed.
+2. Tensor parallel's placements, once per degree: the placement integer program
+   (``placement_ilp``) on the model cut to two repeated layers, every rank of the tp group
+   seeing the whole batch (the batch is data parallel's to split), read back as a
+   ``tensor_parallel.plan`` a user can keep. A degree whose choice is no plan (nothing
+   sharded pays, or no plan style expresses it) is left out, with the reason.
+3. Each layout is planned as the engine plans it and predicted (``auto.evaluate``; the
+   repeated layers once: cut and extended).
+4. A layout over the memory limit is tried with more ZeRO, then with the repeated layers
+   recomputed, until one fits. The fastest few that fit are tried with ZeRO 1 and 2 as well
+   (a sharded optimizer step can be the faster).
+5. The fastest that fits wins; ``NoPlanFits`` when none does.
+
+Stops starting new candidates when ``auto.time_budget_s`` is spent (the report says so).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..cost.profile import Profile
+from ..ir import OpKind, Program
+from ..ir.dist import DistAttr, ProcessMesh
+from ..ir.reason import Reason
+from ..passes.pinning import pin
+from ..strategy import Strategy
+from .apply import placed_program
+from .evaluate import Estimate, PlanFn, evaluate
+from .placement_ilp import solve_placements
+from .report import format_auto_plan
+from .space import Constraints, Layout, base_layouts, layout_strategy, memory_variants
+from .tp_plan import nearest_tensor_parallel_plan
+from .truncate import RepeatedStack, cut_model, cut_optimizer, find_repeated_stack
+
+__all__ = ["Problem", "TensorParallelChoice", "AutoPlan", "NoPlanFits", "search"]
+
+FASTEST_TRIED_WITH_ZERO = 3
+
+
+@dataclass
+class Problem:
+    """What is being planned: the model, loss, optimizer, a sample global batch (``rows``
+    along the batch dim), the parameters' ``shard_tensor`` annotations, and ``plan``: the
+    engine's planning of one strategy for every rank, with its prediction."""
+
+    model: torch.nn.Module
+    loss: Callable | None
+    optimizer: torch.optim.Optimizer
+    inputs: Any
+    labels: Any
+    rows: int
+    annotations: dict[str, DistAttr]
+    plan: PlanFn
+
+
+@dataclass(frozen=True)
+class TensorParallelChoice:
+    """The ILP's answer for one tensor-parallel degree: the plan (None: not usable, ``why``),
+    and how long it took."""
+
+    degree: int
+    plan: dict[str, str] | None
+    why: str
+    seconds: float
+    summary: str = ""
+
+
+@dataclass
+class AutoPlan:
+    """The search's result: every candidate evaluated, best first, and the chosen one."""
+
+    chosen: Estimate
+    candidates: list[Estimate]
+    skipped: list[str]
+    tensor_parallel: dict[int, TensorParallelChoice]
+    stack: RepeatedStack | None
+    devices: int
+    memory_limit_bytes: float | None
+    profile: Profile
+    profile_note: str
+    seconds: float
+    budget_spent: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def strategy(self) -> Strategy:
+        assert self.chosen.strategy is not None
+        return self.chosen.strategy
+
+
+class NoPlanFits(ValueError):
+    """No candidate's predicted peak fits ``auto.memory_limit_gb`` (the report lists them)."""
+
+
+def search(problem: Problem, strategy: Strategy, profile: Profile, profile_note: str = ""
+           ) -> AutoPlan:
+    """Plan ``strategy``'s ``auto`` section for ``problem``."""
+    auto = strategy.auto
+    if auto is None:
+        raise ValueError("search needs a strategy with an auto section")
+    start = time.perf_counter()
+    limit_gb = auto.memory_limit_gb or strategy.memory_limit_gb
+    limit = None if limit_gb is None else limit_gb * 2**30
+    run = _Search(problem, strategy, profile, limit, limit_gb, start)
+    layouts, skipped = base_layouts(auto, run.fixed, problem.rows)
+    if not layouts:
+        raise ValueError(f"auto: no layout of {auto.devices} devices on axes "
+                         f"{list(auto.axes)} fits the batch: " + "; ".join(skipped))
+    for layout in layouts:
+        run.evaluate(layout)
+    for estimate in list(run.done.values()):
+        if estimate.predicted is not None and not estimate.fits:
+            for variant in memory_variants(estimate.layout, auto, run.fixed, run.stack):
+                if run.evaluate(variant) and run.done[variant].fits:
+                    break
+    for estimate in _ranked(run.done.values())[:FASTEST_TRIED_WITH_ZERO]:
+        if estimate.fits and estimate.layout.dp > 1 and run.fixed.zero is None:
+            for zero in (z for z in auto.zero_stages if 0 < z < 3 and z != estimate.layout.zero):
+                run.evaluate(Layout(**{**estimate.layout.__dict__, "zero": zero}))
+    ranked = _ranked(run.done.values())
+    plan = AutoPlan(ranked[0], ranked, skipped + run.skipped, run.tp, run.stack,
+                    auto.devices, limit, profile, profile_note,
+                    time.perf_counter() - start, run.budget_spent)
+    if not ranked[0].fits:
+        raise NoPlanFits(f"auto: no candidate fits memory_limit_gb={limit_gb} per rank\n"
+                         + format_auto_plan(plan, chosen=False))
+    return plan
+
+
+def _ranked(estimates) -> list[Estimate]:
+    """Those that fit, fastest first; then those that do not, smallest peak first; then
+    those that could not be planned."""
+    def key(e: Estimate):
+        if e.predicted is None:
+            return (2, 0.0)
+        return (0, e.predicted.step_s) if e.fits else (1, e.predicted.max_peak)
+    return sorted(estimates, key=key)
+
+
+class _Search:
+    """The search's working state: what was evaluated, the tp plans, the clock."""
+
+    def __init__(self, problem: Problem, strategy: Strategy, profile: Profile,
+                 limit: float | None, limit_gb: float | None, start: float):
+        self.problem, self.strategy, self.profile = problem, strategy, profile
+        self.auto = strategy.auto
+        self.limit, self.limit_gb, self.start = limit, limit_gb, start
+        self.fixed = Constraints.of(strategy, problem.annotations)
+        self.stack = find_repeated_stack(problem.model)
+        self.done: dict[Layout, Estimate] = {}
+        self.tp: dict[int, TensorParallelChoice] = {}
+        self.skipped: list[str] = []
+        self.budget_spent = False
+
+    def evaluate(self, layout: Layout) -> bool:
+        """Evaluate ``layout`` unless done or out of time; whether it is done now."""
+        if layout in self.done:
+            return True
+        if time.perf_counter() - self.start > self.auto.time_budget_s:
+            if not self.budget_spent:
+                self.skipped.append(f"time budget of {self.auto.time_budget_s:g} s spent: "
+                                    f"{layout.name()} and later candidates not evaluated")
+            self.budget_spent = True
+            return False
+        plan = None
+        if layout.tp > 1:
+            choice = self.tensor_parallel(layout)
+            if choice.plan is None:
+                self.done[layout] = Estimate(layout, None, error=choice.why)
+                return True
+            plan = choice.plan
+        strategy = layout_strategy(layout, self.strategy, self.fixed, plan, self.stack,
+                                   self.limit_gb)
+        p = self.problem
+        self.done[layout] = evaluate(layout, strategy, p.model, p.optimizer, p.plan,
+                                     self.stack, self.limit)
+        return True
+
+    def tensor_parallel(self, layout: Layout) -> TensorParallelChoice:
+        if layout.tp not in self.tp:
+            self.tp[layout.tp] = self._solve_tp(layout)
+        return self.tp[layout.tp]
+
+    def _solve_tp(self, layout: Layout) -> TensorParallelChoice:
+        if self.fixed.tp_plan is not None:
+            return TensorParallelChoice(layout.tp, self.fixed.tp_plan, "", 0.0,
+                                        "the strategy's tensor_parallel.plan")
+        start = time.perf_counter()
+        p = self.problem
+        model = p.model
+        if self.stack is not None and self.stack.layers > 2:
+            model = cut_model(p.model, self.stack, 2)
+        tp_only = Layout(1, layout.tp, 1)
+        if self.fixed.mesh_dims is not None:       # annotations fix the mesh: solve on it
+            tp_only = Layout(layout.dp, layout.tp, 1)
+        strategy = layout_strategy(tp_only, self.strategy, self.fixed, None, None, None)
+        try:
+            program, ctx = placed_program(model, p.loss, cut_optimizer(p.optimizer, model),
+                                          strategy, p.inputs, p.labels, p.annotations)
+            mesh = ctx.state.mesh
+            _replicate_batch(program, mesh)
+            choice = solve_placements(program, mesh, self.profile,
+                                      time_limit_s=max(2.0, self.auto.time_budget_s / 8))
+        except (ValueError, NotImplementedError, RuntimeError) as err:
+            return TensorParallelChoice(layout.tp, None, f"placement ILP for tp{layout.tp} "
+                                        f"failed: {err}", time.perf_counter() - start)
+        plan, notes = nearest_tensor_parallel_plan(program, choice.params, mesh)
+        if plan and self.stack is not None:
+            plan = _per_layer_patterns(plan, self.stack, notes)
+        why = "; ".join(notes)
+        if plan == {}:
+            plan, why = None, (f"the placement ILP keeps every parameter replicated under "
+                               f"tp{layout.tp}: no tensor-parallel plan pays on this machine")
+        elif plan is None:
+            why = f"the placement ILP's tp{layout.tp} choice is not a plan: {why}"
+        return TensorParallelChoice(layout.tp, plan, why, time.perf_counter() - start,
+                                    choice.summary())
+
+
+def _per_layer_patterns(plan: dict[str, str], stack: RepeatedStack, notes: list[str]
+                        ) -> dict[str, str]:
+    """The plan solved on two layers of the stack, for every layer: ``blocks.0.fc1`` and
+    ``blocks.1.fc1`` become ``blocks.*.fc1`` (the first layer's style where they differ,
+    noted)."""
+    prefix = f"{stack.path}." if stack.path else ""
+    out: dict[str, str] = {}
+    for module, style in plan.items():
+        head, _, rest = module[len(prefix):].partition(".")
+        if not module.startswith(prefix) or not head.isdigit():
+            out[module] = style
+            continue
+        pattern = f"{prefix}*" + (f".{rest}" if rest else "")
+        if out.setdefault(pattern, style) != style:
+            notes.append(f"{module}: {style}, unlike layer 0's {out[pattern]}: "
+                         f"{pattern} takes layer 0's")
+    return out
+
+
+def _replicate_batch(program: Program, mesh: ProcessMesh) -> None:
+    """Under tensor parallel every rank of the group sees the whole (data-parallel) batch:
+    pin the fed values not placed yet replicated, so the ILP cannot turn tp into dp."""
+    for op in program.ops_of(OpKind.INPUT):
+        if op.result.is_tensor and op.result.dist is None:
+            pin(op.result, DistAttr.replicated(mesh),
+                Reason("plan", "tensor parallel: each rank of the group sees the whole batch"))
