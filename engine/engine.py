@@ -18,13 +18,14 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils import _pytree as pytree
 
+from ..auto.report import format_auto_plan
+from ..auto.search import AutoPlan
 from ..checkpoint.store import latest_checkpoint
 from ..cost.predict import StepTime
 from ..cost.profile import Profile, default_profile
 from ..ir import Program, Slot
 from ..ir.capture import StepSpec, flatten_batch
 from ..lower.lowering import lower_program
-from ..lower.memory import MemoryEstimate
 from ..passes.explain import explain_value, summarize
 from ..passes.parallel_layout import ParallelLayout
 from ..passes.scale_loss import FOUND_INF, SCALE_USED, scaler_state
@@ -32,19 +33,20 @@ from ..pipeline.timeline import chrome_trace
 from ..runtime.divergence import Divergence, locate_divergence
 from ..runtime.runtimes import DistributedRuntime, LocalRuntime
 from ..strategy import Strategy
+from .auto_strategy import auto_profile, plan_auto
 from .callbacks import Callback, CallbackList, LRMonitor, ModelCheckpoint, ProgressBar
 from .checkpointing import load_checkpoint, save_checkpoint
 from .data import batch_size_of, batches
 from .launch import Launch
 from .model_state import ModelState
 from .offline import finish_offline_plan
-from .planner import PlannedStep, Planner
+from .planner import PlannedStep, Planner, StepCost
 
 # Strategy sections this version can plan (completion places every value); any other
 # enabled section is refused up front.
 PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel", "pipeline",
                               "expert_parallel", "sharding", "recompute",
-                              "gradient_merge", "amp"}
+                              "gradient_merge", "amp", "auto"}
 
 Metric = Callable[[Any, Any], float]
 
@@ -73,6 +75,9 @@ class Engine:
             strategy = Strategy.from_yaml(offline.strategy)
         self.strategy = strategy if strategy is not None else Strategy()
         self.strategy.check_supported(PLANNED_SECTIONS)
+        # ``auto``: the planner picks the strategy on the first batch (``_settle_auto``)
+        self.auto_plan: AutoPlan | None = None
+        self._check_auto_devices()
         layout = ParallelLayout.of(self.strategy)
         self.dump_dir = self.launch.dump_dir(self.strategy)
         if self.strategy.debug.trace and self.dump_dir is None:
@@ -91,10 +96,7 @@ class Engine:
                 timedelta(seconds=self.strategy.collective_timeout_s))
         else:
             self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size)
-        self.planner = Planner(model, loss, optimizer, self.strategy, layout,
-                               dump_dir=self.dump_dir,
-                               process=self.launch.rank if self.distributed else None,
-                               every=simulate or offline is not None)
+        self.planner = self._planner(layout)
         self.global_step = 0      # optimizer steps (gradient merge: one per k_steps batches)
         self.batches_trained = 0  # training batches run; batch i draws seed + i
         self.epoch = 0            # fit's current epoch (the next one between epochs)
@@ -104,21 +106,61 @@ class Engine:
         self.stop_training = False   # a callback sets it; fit checks it after each batch
         self.closed = False
 
+    def _planner(self, layout: ParallelLayout) -> Planner:
+        return Planner(self.model, self.loss, self.optimizer, self.strategy, layout,
+                       dump_dir=self.dump_dir,
+                       process=self.launch.rank if self.distributed else None,
+                       every=self.strategy.debug.simulate or self.launch.offline is not None)
+
+    def _check_auto_devices(self) -> None:
+        auto = self.strategy.auto
+        if auto is not None and self.launch.several(self.strategy.debug.simulate) \
+                and auto.devices != self.launch.world_size:
+            raise ValueError(f"auto: {{devices: {auto.devices}}} but the launch started "
+                             f"{self.launch.world_size} processes: plan for the processes "
+                             "you launch (auto.devices = torchrun's --nproc-per-node x nodes)")
+
+    def _settle_auto(self, inputs: Any, labels: Any) -> None:
+        """Under ``auto``, choose the strategy from this (first) batch and plan with it from
+        now on. On real processes rank 0 searches and the others take its choice."""
+        if self.strategy.auto is None:
+            return
+        def choose() -> str:
+            plan = plan_auto(self.model, self.loss, self.optimizer, self.strategy, inputs,
+                             labels)
+            self.auto_plan = plan
+            return plan.strategy.to_yaml()
+        text = self.runtime.agree(choose) if self.distributed else choose()
+        chosen = Strategy.from_yaml_str(text)
+        if self.is_logging_rank and self.auto_plan is not None:
+            print(format_auto_plan(self.auto_plan, top=self.strategy.auto.top), flush=True)
+        self.strategy = chosen
+        self.dump_dir = self.launch.dump_dir(chosen)
+        self.planner = self._planner(ParallelLayout.of(chosen))
+
     # -- planning -----------------------------------------------------------------------
     def prepare(self, inputs: Any, labels: Any = None, mode: str = "train",
                 accumulate_only: bool = False) -> Program:
         """Plan the program for a sample (global) batch without running it: in one plain
         process, for any mesh size. Dumps are written; ``explain`` answers questions.
         ``accumulate_only``: gradient merge's training step that only accumulates."""
+        self._settle_auto(inputs, labels)
         return self.planner.plan(mode, inputs, labels, accumulate_only).program
 
-    def cost(self, inputs: Any, labels: Any = None, mode: str = "train"
-             ) -> dict[int, MemoryEstimate]:
-        """Plan the step for a sample (global) batch without running it and return each
-        rank's predicted memory: bytes of parameters, gradients, optimizer state, buffers,
-        peak activations and communication buffers, and the predicted peak
-        (``format_estimates`` prints them as a table). ``predict_time`` predicts its time."""
-        return self.planner.memory(self.planner.plan(mode, inputs, labels))
+    def cost(self, inputs: Any, labels: Any = None, mode: str = "train",
+             profile: Profile | None = None) -> StepCost:
+        """Plan the step for a sample (global) batch without running it and return, per
+        rank, its predicted memory (a ``MemoryEstimate``: bytes of parameters, gradients,
+        optimizer state, buffers, peak activations, communication buffers and the peak;
+        ``format_estimates`` prints them as a table), and in ``.time`` the predicted step
+        time (``predict_time``; on ``profile``, default this machine's calibrated one, else
+        the shipped reference, said in ``.profile_note``)."""
+        self._settle_auto(inputs, labels)
+        step = self.planner.plan(mode, inputs, labels)
+        note = ""
+        if profile is None:
+            profile, note = auto_profile(self.strategy)
+        return StepCost(self.planner.memory(step), self.planner.time(step, profile), note)
 
     def predict_time(self, inputs: Any, labels: Any = None, mode: str = "train",
                      profile: Profile | None = None) -> StepTime:
@@ -127,6 +169,7 @@ class Engine:
         autopar calibrate``): per rank, compute, exposed communication and op count, and the
         step's seconds, the slowest rank's (``cost.predict``)."""
         profile = profile if profile is not None else default_profile()
+        self._settle_auto(inputs, labels)
         return self.planner.time(self.planner.plan(mode, inputs, labels), profile)
 
     def explain(self, what: str, mode: str = "train") -> str:
@@ -154,6 +197,7 @@ class Engine:
         to the same step on one device, and return the first op whose assembled result
         differs (None: none does). Changes no state; reads the model's current values.
         ``accumulate_only``: gradient merge's step that only accumulates."""
+        self._settle_auto(inputs, labels)
         step = self.planner.plan("train", inputs, labels, accumulate_only)
         facts = step.facts
         lowered = lower_program(step.program, facts.mesh, None, None)
@@ -178,6 +222,7 @@ class Engine:
         if self.closed and self.distributed:
             raise RuntimeError("this engine was closed: its process groups are gone; make a "
                                "new Engine to train again")
+        self._settle_auto(inputs, labels)
         step = self.planner.plan(mode, inputs, labels, accumulate_only)
         if self.launch.offline is not None:      # ``python -m autopar plan`` ran the script
             if accumulate_only:                  # both training programs in the dumps

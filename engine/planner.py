@@ -31,7 +31,27 @@ from ..passes.parallel_layout import ParallelLayout
 from ..strategy import Strategy
 from .data import batch_size_of
 
-__all__ = ["PlannedStep", "Planner"]
+__all__ = ["PlannedStep", "Planner", "StepCost"]
+
+
+class StepCost(dict[int, MemoryEstimate]):
+    """``Engine.cost``'s answer: each rank's predicted memory (rank -> ``MemoryEstimate``),
+    and the predicted step ``time`` (``cost.predict.StepTime``)."""
+
+    def __init__(self, memory: dict[int, MemoryEstimate], time: StepTime,
+                 profile_note: str = ""):
+        super().__init__(memory)
+        self.time, self.profile_note = time, profile_note
+
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds of one step (the slowest rank's)."""
+        return self.time.step_s
+
+    @property
+    def peak(self) -> int:
+        """The largest predicted peak of any rank, in bytes."""
+        return max(m.peak for m in self.values())
 
 
 @dataclass

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ..lower.executable import Lowered, PipelineProcess, RankProgram
 from .executor import Executor, ProgramExecutor
@@ -82,6 +83,25 @@ class DistributedRuntime:
         self.timeout = timeout            # of every collective and message
         self.state: RankState | None = None
         self._mesh = None                 # the mesh (or full pipeline mesh) state lives on
+
+    def agree(self, make: Callable[[], str]) -> str:
+        """Rank 0's ``make()``, on every rank: the others wait for it (joining the launch's
+        process group first). A failure on rank 0 is raised on every rank, so none waits
+        for an answer that never comes."""
+        init_distributed(self.device, self.world, self.world, self.timeout)
+        box: list[object] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", make())
+            except Exception as err:
+                box[0] = ("error", f"{type(err).__name__}: {err}")
+                dist.broadcast_object_list(box, src=0)
+                raise
+        dist.broadcast_object_list(box, src=0)
+        status, text = box[0]
+        if status != "ok":
+            raise RuntimeError(f"rank 0 failed, so rank {self.rank} stops too: {text}")
+        return text
 
     def executor(self, lowered: Lowered, initial: Initial,
                  pieces: Pieces | None = None) -> Executor:
