@@ -5,9 +5,16 @@ whose strategies are their placements, ``auto.candidates``). On each edge (a val
 producer to one consumer) the cost of moving the producer's output placement ``p`` to the
 placement ``q`` the consumer needs is paid when both are chosen: where either side has one
 distinct placement over all its strategies that cost is linear in the other side's ``x``;
-otherwise ``e[p, q] >= sum x[producer, c: out=p] + sum x[consumer, c': need=q] - 1`` (e in
-[0, 1]) for each pair with a non-zero cost only, so the program grows with the pairs that
-cost something, not with all strategy pairs.
+otherwise the edge's joint choice ``e[p, q]`` in [0, 1] for every pair (p, q), with
+``sum_q e[p, q] = sum x[producer, c: out=p]`` and ``sum_p e[p, q] = sum x[consumer, c':
+need=q]`` (the marginal, or local-polytope, form Alpa uses: its relaxation is tight, so
+HiGHS mostly solves at the root; ``e >= x + y - 1`` on the costly pairs alone left gaps it
+branched on for minutes).
+
+Repeated layers (``auto.layers``): the ops of identical layers share their ``x`` (the
+compute and memory of all of them on one variable, one one-hot row), and an edge repeated
+by them shares its ``e`` (its costs added up), so a 24-layer model's program is about a
+one-layer model's.
 
 Objective, in seconds: communication (each reshard step's collective by the profile's alpha-
 beta at the bytes ``reshard.cost`` counts; local slices by the pointwise curve) + compute
@@ -42,6 +49,7 @@ from ..pipeline.cost import FLOPS, op_flops
 from ..reshard.planner import plan_reshard
 from ..spmd.registry import tensor_inputs
 from .candidates import Candidate, op_candidates, start_candidates
+from .layers import RepeatedLayers, repeated_layers
 
 __all__ = ["PlacementChoice", "solve_placements", "CHANGE_PENALTY_S"]
 
@@ -66,6 +74,8 @@ class PlacementChoice:
     constraints: int
     status: str
     params: dict[str, DistAttr] = field(default_factory=dict)
+    tied_ops: int = 0                        # ops sharing a repeated layer's variables
+    layer_classes: int = 0                   # classes of identical layers solved once
 
     @property
     def objective_s(self) -> float:
@@ -76,7 +86,7 @@ class PlacementChoice:
                 f"build {self.build_s:.3f} s, solve {self.solve_s:.3f} s ({self.status}); "
                 f"predicted communication {self.comm_s * 1e3:.3f} ms, compute "
                 f"{self.compute_s * 1e3:.3f} ms, state {self.state_bytes / 2**20:.2f} MiB "
-                "per rank")
+                f"per rank; {self.tied_ops} ops tied in {self.layer_classes} layer classes")
 
 
 def _shards(dist: DistAttr | None) -> int:
@@ -141,6 +151,15 @@ def _keeping_pins(op: Op, cands: list[Candidate]) -> list[Candidate]:
     return kept or cands
 
 
+def _state_bytes(op: Op, cand: Candidate) -> float:
+    """Per-rank bytes a state strategy keeps: a parameter twice (its gradient is placed like
+    it), an optimizer state once."""
+    if op.kind is not OpKind.STATE or not op.result.is_tensor:
+        return 0.0
+    copies = 2.0 if op.attrs[STATE] is StateKind.PARAM else 1.0
+    return copies * _bytes(op.result.type) / _shards(cand.outputs[0])
+
+
 def _comm_part(cost: float) -> float:
     """A move's seconds without the change penalty (reported apart)."""
     return max(cost - CHANGE_PENALTY_S, 0.0) if cost else 0.0
@@ -151,12 +170,20 @@ class _Node:
     op: Op
     cands: list[Candidate]
     first: int = 0        # index of x[op, 0] in the variable vector
+    offered: tuple = ()   # the placements its inputs' producers offered (candidates' key)
 
 
 class _Builder:
     def __init__(self, program: Program, mesh: ProcessMesh, profile: Profile,
-                 shared_moves: bool = False):
+                 shared_moves: bool = False, ties: dict[Op, Op] | None = None):
         self.program, self.mesh, self.shared_moves = program, mesh, shared_moves
+        self.ties = ties or {}                 # op -> the op whose variables it shares
+        self.tied = 0
+        # an edge's e variable per (producer variables, consumer variables): tied layers
+        # repeat each edge, which then costs its count times on one variable
+        self.pairs: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        self.moved: dict[tuple, int] = {}
+        self.joints: dict[tuple, list[int]] = {}      # shared_moves' u variable per repeated key
         self.costs = _Costs(mesh, profile)
         self.nodes: dict[Op, _Node] = {}
         self.c: list[float] = []               # objective per variable
@@ -179,21 +206,19 @@ class _Builder:
     def build(self, memory_limit_bytes: float | None) -> None:
         for op in self.program.ops:
             if op.kind in (OpKind.INPUT, OpKind.STATE):
-                cands = start_candidates(op, self.mesh)
+                offered: tuple = ()
                 if op.result.is_tensor and op.result.dist is not None and any(
                         isinstance(p, Shard) and p.groups != 1
                         for p in op.result.dist.placements):
                     self.grouped.add(op.result)
             elif op.kind is OpKind.CALL:
-                cands = _keeping_pins(op, op_candidates(
-                    op, self.mesh, [self._offered(v) for v in tensor_inputs(op)]))
+                offered = tuple(frozenset(self._offered(v)) for v in tensor_inputs(op))
             else:
                 continue
-            node = self.nodes[op] = _Node(op, cands, len(self.c))
-            for cand in cands:
-                compute = self.costs.compute(op, cand)
-                self._var(compute, 0.0, True)
-            self.rows.append(({node.first + i: 1.0 for i in range(len(cands))}, 1.0, 1.0))
+            node = self._tied(op, offered) or self._own(op, offered)
+            self.nodes[op] = node
+            for i, cand in enumerate(node.cands):
+                self.c[node.first + i] += self.costs.compute(op, cand)
         for op in self.program.ops:
             if op.kind is OpKind.CALL:
                 for j, v in enumerate(tensor_inputs(op)):
@@ -206,6 +231,28 @@ class _Builder:
                 for want in wants:
                     self._edge(v, want)
         self._memory(memory_limit_bytes)
+
+    def _own(self, op: Op, offered: tuple) -> _Node:
+        """``op``'s own variables x[op, c] and their one-hot row."""
+        if op.kind is OpKind.CALL:
+            cands = _keeping_pins(op, op_candidates(op, self.mesh, offered))
+        else:
+            cands = start_candidates(op, self.mesh)
+        node = _Node(op, cands, len(self.c), offered)
+        for _ in cands:
+            self._var(0.0, 0.0, True)
+        self.rows.append(({node.first + i: 1.0 for i in range(len(cands))}, 1.0, 1.0))
+        return node
+
+    def _tied(self, op: Op, offered: tuple) -> _Node | None:
+        """The variables of the op ``op`` is tied to (``auto.layers``), when its inputs
+        were offered the same placements (so its candidates are the same list)."""
+        rep = self.ties.get(op)
+        node = self.nodes.get(rep) if rep is not None else None
+        if node is None or node.offered != offered:
+            return None
+        self.tied += 1
+        return _Node(op, node.cands, node.first, offered)
 
     def _offered(self, v: Value) -> set[DistAttr]:
         """Grouped shards ``v``'s producer offers where ``v`` descends from a value pinned
@@ -261,16 +308,55 @@ class _Builder:
                     self.c[y] += cost
                     self.comm[y] += _comm_part(cost)
             return
-        for p, xs in have.items():
+        if always:
+            self._joint(v, have, needs)
+            return
+        for p, xs in have.items():       # shared_moves' u: needs[q] is no partition
             for q, ys in needs.items():
                 cost = self.costs.move(v.type, p, q)
-                if cost == 0.0:
-                    continue
-                e = self._var(cost, _comm_part(cost), False)
-                coefs = {e: 1.0}
-                for x in (*xs, *ys):
-                    coefs[x] = coefs.get(x, 0.0) - 1.0
-                self.rows.append((coefs, -1.0, np.inf))
+                if cost != 0.0:
+                    self._pair(tuple(xs), tuple(ys), cost)
+
+    def _joint(self, v: Value, have: dict[DistAttr, list[int]],
+               needs: dict[DistAttr, list[int]]) -> None:
+        """The edge's joint choice: ``e[p, q]`` in [0, 1] for every pair, whose sums over
+        ``q`` are the producer's ``x`` choosing ``p`` and over ``p`` the consumer's choosing
+        ``q``; ``e`` pays the move. Tight: on the 2-layer E=1024 GPT (tp2) the relaxation's
+        optimum is integral and HiGHS solves at the root in 0.05 s, where the looser
+        ``e >= x + y - 1`` on the costly pairs only left a 6% gap and branched 8 s. A tied
+        layer's repeat of an edge adds its costs to the first one's ``e``."""
+        costs = [self.costs.move(v.type, p, q) for p in have for q in needs]
+        key = (tuple(tuple(xs) for xs in have.values()),
+               tuple(tuple(ys) for ys in needs.values()))
+        es = self.joints.get(key)
+        if es is None:
+            es = self.joints[key] = [self._var(0.0, 0.0, False) for _ in costs]
+            nq = len(needs)
+            for i, xs in enumerate(have.values()):
+                row = {es[i * nq + j]: 1.0 for j in range(nq)}
+                row.update({x: -1.0 for x in xs})
+                self.rows.append((row, 0.0, 0.0))
+            for j, ys in enumerate(needs.values()):
+                row = {es[i * nq + j]: 1.0 for i in range(len(have))}
+                row.update({y: row.get(y, 0.0) - 1.0 for y in ys})
+                self.rows.append((row, 0.0, 0.0))
+        for e, cost in zip(es, costs):
+            self.c[e] += cost
+            self.comm[e] += _comm_part(cost)
+
+    def _pair(self, xs: tuple[int, ...], ys: tuple[int, ...], cost: float) -> None:
+        """``e >= sum xs + sum ys - 1`` costing ``cost``; a repeated pair adds its cost to
+        the first one's e."""
+        e = self.pairs.get((xs, ys))
+        if e is not None:
+            self.c[e] += cost
+            self.comm[e] += _comm_part(cost)
+            return
+        e = self.pairs[(xs, ys)] = self._var(cost, _comm_part(cost), False)
+        coefs = {e: 1.0}
+        for x in (*xs, *ys):
+            coefs[x] = coefs.get(x, 0.0) - 1.0
+        self.rows.append((coefs, -1.0, np.inf))
 
     def _shared(self, v: Value, wants: list[dict[DistAttr, list[int]]]) -> None:
         """Several consumers: each distinct placement they need is paid once (reshard moves
@@ -288,9 +374,13 @@ class _Builder:
             if any(not ys for ys in groups):          # needed whatever is chosen
                 self._edge(v, {q: []})
                 continue
-            u = self._var(0.0, 0.0, False)
-            for ys in groups:
-                self.rows.append(({u: 1.0, **{y: -1.0 for y in ys}}, 0.0, np.inf))
+            key = (tuple(x for xs in have.values() for x in xs), q,
+                   tuple(sorted(tuple(ys) for ys in groups)))
+            u = self.moved.get(key)
+            if u is None:        # a tied layer's repeat: same u, its cost counted again
+                u = self.moved[key] = self._var(0.0, 0.0, False)
+                for ys in groups:
+                    self.rows.append(({u: 1.0, **{y: -1.0 for y in ys}}, 0.0, np.inf))
             self._edge(v, {q: [u]}, always=False)
 
     def _outputs(self) -> None:
@@ -310,15 +400,13 @@ class _Builder:
                 self.wanted[v].append({DistAttr.replicated(self.mesh): []})
 
     def _memory(self, limit: float | None) -> None:
-        """Per-rank state bytes of each start strategy; a row when there is a limit."""
-        coefs: dict[int, float] = {}
+        """Per-rank state bytes of each start strategy (tied states' summed); a row when
+        there is a limit."""
+        coefs: dict[int, float] = defaultdict(float)
         for op, node in self.nodes.items():
-            if op.kind is not OpKind.STATE or not op.result.is_tensor:
-                continue
-            copies = 2.0 if op.attrs[STATE] is StateKind.PARAM else 1.0
             for i, cand in enumerate(node.cands):
-                coefs[node.first + i] = copies * _bytes(op.result.type) / _shards(
-                    cand.outputs[0])
+                if nbytes := _state_bytes(op, cand):
+                    coefs[node.first + i] += nbytes
         self.memory_coefs = coefs
         if limit is not None:
             self.rows.append((coefs, -np.inf, float(limit)))
@@ -340,8 +428,8 @@ class _Builder:
 
 def solve_placements(program: Program, mesh: ProcessMesh, profile: Profile | None = None,
                      memory_limit_bytes: float | None = None,
-                     time_limit_s: float | None = None, shared_moves: bool = False
-                     ) -> PlacementChoice:
+                     time_limit_s: float | None = None, shared_moves: bool = False,
+                     tie_layers: bool = True) -> PlacementChoice:
     """Choose a strategy for every op of ``program`` (placed values stay as pinned) on
     ``mesh``, minimising predicted step seconds on ``profile`` (default: the reference
     profile), within ``memory_limit_bytes`` of parameters, gradients and optimizer state per
@@ -349,10 +437,13 @@ def solve_placements(program: Program, mesh: ProcessMesh, profile: Profile | Non
     paid) once, as the reshard pass does, at the price of a variable per (value, placement)
     and one row per consumer: on the 2-layer E=512 GPT it chose the same plan with a solve
     7x slower (30 s, not 4 s), so it is off by default. Raises ValueError when no placement
-    fits the limit."""
+    fits the limit. ``tie_layers``: identical repeated layers (``auto.layers``) share one
+    strategy, so the program holds one layer of each class (the optimum is then the best
+    plan in which every identical layer does the same)."""
     profile = profile or Profile.reference()
     start = time.perf_counter()
-    builder = _Builder(program, mesh, profile, shared_moves)
+    layers = repeated_layers(program) if tie_layers else RepeatedLayers()
+    builder = _Builder(program, mesh, profile, shared_moves, layers.ties)
     builder.build(memory_limit_bytes)
     constraints = builder.matrix()
     build_s = time.perf_counter() - start
@@ -367,7 +458,9 @@ def solve_placements(program: Program, mesh: ProcessMesh, profile: Profile | Non
             f" within {memory_limit_bytes / 2**20:.2f} MiB of state per rank"
         raise ValueError(f"placement ILP on {mesh}: no placement found{limit} "
                          f"({result.message})")
-    return _choice(builder, result, build_s, solve_s, n)
+    choice = _choice(builder, result, build_s, solve_s, n)
+    choice.tied_ops, choice.layer_classes = builder.tied, len(layers.classes)
+    return choice
 
 
 def _choice(builder: _Builder, result, build_s: float, solve_s: float, n: int
@@ -380,7 +473,7 @@ def _choice(builder: _Builder, result, build_s: float, solve_s: float, n: int
         chosen = max(range(len(node.cands)), key=lambda i: x[node.first + i])
         cand = strategies[op] = node.cands[chosen]
         compute += builder.costs.compute(op, cand)
-        state_bytes += builder.memory_coefs.get(node.first + chosen, 0.0)
+        state_bytes += _state_bytes(op, cand)
         for v, dist in zip(op.outputs, cand.outputs):
             if dist is not None:
                 values[v] = dist
