@@ -31,6 +31,20 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--explain", action="append", default=[], metavar="VALUE",
                       help="why VALUE has its placement: %%12, loss, grad[fc1.weight], "
                            "fc1.weight (repeatable)")
+    plan.add_argument("--auto", action="store_true",
+                      help="let the planner choose the strategy (the script's mesh, degrees, "
+                           "ZeRO and recompute are dropped; --strategy's are kept as "
+                           "constraints): prints the candidates and the chosen strategy")
+    plan.add_argument("--devices", type=int, help="--auto: how many devices to plan for")
+    plan.add_argument("--memory-limit-gb", type=float,
+                      help="--auto: peak memory per device the plan must fit")
+    plan.add_argument("--axes", help="--auto: the axes to consider, comma separated "
+                                     "(default dp,tp,pp)")
+    plan.add_argument("--top", type=int, help="--auto: candidates shown (default 5)")
+    plan.add_argument("--time-budget-s", type=float,
+                      help="--auto: stop starting candidates after this long (default 60)")
+    plan.add_argument("--write-strategy", metavar="FILE",
+                      help="--auto: write the chosen strategy's YAML to FILE")
     export = sub.add_parser(
         "export", help="consolidate the model of a checkpoint (Engine.save) into one "
                        "safetensors file")
@@ -57,12 +71,34 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "plan":
         from .engine.offline import plan_script
         print(plan_script(args.script, script_args, args.strategy, args.dump_dir,
-                          args.explain, args.locate_divergence))
+                          args.explain, args.locate_divergence, _auto_section(parser, args),
+                          args.write_strategy))
     elif args.command == "export":
         from .checkpoint.export import consolidate
         print(consolidate(args.checkpoint, args.out))
     elif args.command == "calibrate":
         run_calibrate(args)
+
+
+def _auto_section(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
+    """``plan --auto``'s options as an ``auto`` section (checked before the script runs)."""
+    options = {"devices": args.devices, "memory_limit_gb": args.memory_limit_gb,
+               "top": args.top, "time_budget_s": args.time_budget_s,
+               "axes": args.axes.split(",") if args.axes else None}
+    if not args.auto:
+        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None]
+        if given or args.write_strategy:
+            parser.error(f"{', '.join(given or ['--write-strategy'])} only with --auto")
+        return None
+    if args.devices is None:
+        parser.error("plan --auto needs --devices N (how many devices to plan for)")
+    from .strategy.sections import AutoConfig
+    auto = {k: v for k, v in options.items() if v is not None}
+    try:
+        AutoConfig.model_validate(auto)
+    except ValueError as err:
+        parser.error(f"--auto: {err}")
+    return auto
 
 
 def run_demo(args: argparse.Namespace, argv: list[str]) -> None:

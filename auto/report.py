@@ -41,7 +41,7 @@ def candidate_row(i: int, e: "Estimate", limit: float | None) -> str:
 def format_auto_plan(plan: "AutoPlan", chosen: bool = True, top: int | None = None) -> str:
     """The report: header, candidates (the best ``top`` that fit, all that do not fit or
     could not be planned are counted), the chosen strategy and the reasons."""
-    auto_top = top or 5
+    auto_top = top or plan.top
     limit = plan.memory_limit_bytes
     lines = [f"auto plan: {plan.devices} devices, "
              + (f"memory limit {_mib(limit)} per rank" if limit else "no memory limit")

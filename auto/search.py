@@ -88,11 +88,16 @@ class AutoPlan:
     seconds: float
     budget_spent: bool = False
     notes: list[str] = field(default_factory=list)
+    top: int = 5                  # how many candidates the report shows
 
     @property
     def strategy(self) -> Strategy:
+        """The chosen candidate's strategy, with the memory limit (the runtime checks it)."""
         assert self.chosen.strategy is not None
-        return self.chosen.strategy
+        if self.memory_limit_bytes is None:
+            return self.chosen.strategy
+        return self.chosen.strategy.model_copy(
+            update={"memory_limit_gb": self.memory_limit_bytes / 2**30})
 
 
 class NoPlanFits(ValueError):
@@ -127,7 +132,7 @@ def search(problem: Problem, strategy: Strategy, profile: Profile, profile_note:
     ranked = _ranked(run.done.values())
     plan = AutoPlan(ranked[0], ranked, skipped + run.skipped, run.tp, run.stack,
                     auto.devices, limit, profile, profile_note,
-                    time.perf_counter() - start, run.budget_spent)
+                    time.perf_counter() - start, run.budget_spent, top=auto.top)
     if not ranked[0].fits:
         raise NoPlanFits(f"auto: no candidate fits memory_limit_gb={limit_gb} per rank\n"
                          + format_auto_plan(plan, chosen=False))
@@ -176,8 +181,9 @@ class _Search:
                 self.done[layout] = Estimate(layout, None, error=choice.why)
                 return True
             plan = choice.plan
-        strategy = layout_strategy(layout, self.strategy, self.fixed, plan, self.stack,
-                                   self.limit_gb)
+        # no memory limit in the candidate: the planner would refuse one over it, and the
+        # search wants its prediction to rank it
+        strategy = layout_strategy(layout, self.strategy, self.fixed, plan, self.stack, None)
         p = self.problem
         self.done[layout] = evaluate(layout, strategy, p.model, p.optimizer, p.plan,
                                      self.stack, self.limit)
@@ -211,7 +217,8 @@ class _Search:
         except (ValueError, NotImplementedError, RuntimeError) as err:
             return TensorParallelChoice(layout.tp, None, f"placement ILP for tp{layout.tp} "
                                         f"failed: {err}", time.perf_counter() - start)
-        plan, notes = nearest_tensor_parallel_plan(program, choice.params, mesh)
+        plan, notes = nearest_tensor_parallel_plan(
+            program, _unannotated(choice.params, p.annotations), mesh)
         if plan and self.stack is not None:
             plan = _per_layer_patterns(plan, self.stack, notes)
         why = "; ".join(notes)
@@ -222,6 +229,15 @@ class _Search:
             why = f"the placement ILP's tp{layout.tp} choice is not a plan: {why}"
         return TensorParallelChoice(layout.tp, plan, why, time.perf_counter() - start,
                                     choice.summary())
+
+
+def _unannotated(params: dict[str, DistAttr], annotations: dict[str, DistAttr]
+                 ) -> dict[str, DistAttr]:
+    """The ILP's placements of the modules the user annotated none of: an annotated module
+    keeps its annotations (they are pinned in every plan), and completion places the rest
+    of it, so the plan names only the others."""
+    annotated = {name.rpartition(".")[0] for name in annotations}
+    return {name: d for name, d in params.items() if name.rpartition(".")[0] not in annotated}
 
 
 def _per_layer_patterns(plan: dict[str, str], stack: RepeatedStack, notes: list[str]

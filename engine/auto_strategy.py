@@ -21,7 +21,22 @@ from ..strategy import Strategy
 from .data import batch_size_of
 from .planner import Planner
 
-__all__ = ["plan_auto", "auto_profile", "plan_and_predict"]
+__all__ = ["plan_auto", "auto_profile", "plan_and_predict", "with_auto"]
+
+# the sections that fix a parallel layout: the planner's to choose under ``--auto``
+LAYOUT_SECTIONS = ("mesh", "data_parallel", "tensor_parallel", "pipeline", "sharding",
+                   "recompute")
+
+
+def with_auto(strategy: Strategy, auto: dict[str, Any], keep_layout: bool) -> Strategy:
+    """``strategy`` with the ``auto`` section ``python -m autopar plan --auto`` asked for.
+    The script's own layout (mesh, degrees, ZeRO, recompute) is dropped unless
+    ``keep_layout`` (the user passed ``--strategy``: a partial strategy, kept as
+    constraints); its other settings (amp, gradient merge, seed, ...) stay."""
+    exclude = {"auto"} | (set() if keep_layout else set(LAYOUT_SECTIONS))
+    data = strategy.model_dump(exclude_defaults=True, exclude=exclude)
+    given = strategy.auto.model_dump(exclude_defaults=True) if strategy.auto else {}
+    return Strategy.model_validate({**data, "auto": {**given, **auto}})
 
 
 def auto_profile(strategy: Strategy) -> tuple[Profile, str]:

@@ -33,7 +33,7 @@ from ..pipeline.timeline import chrome_trace
 from ..runtime.divergence import Divergence, locate_divergence
 from ..runtime.runtimes import DistributedRuntime, LocalRuntime
 from ..strategy import Strategy
-from .auto_strategy import auto_profile, plan_auto
+from .auto_strategy import auto_profile, plan_auto, with_auto
 from .callbacks import Callback, CallbackList, LRMonitor, ModelCheckpoint, ProgressBar
 from .checkpointing import load_checkpoint, save_checkpoint
 from .data import batch_size_of, batches
@@ -73,6 +73,9 @@ class Engine:
         offline = self.launch.offline
         if offline is not None and offline.strategy is not None:
             strategy = Strategy.from_yaml(offline.strategy)
+        if offline is not None and offline.auto is not None:
+            strategy = with_auto(strategy or Strategy(), offline.auto,
+                                 keep_layout=offline.strategy is not None)
         self.strategy = strategy if strategy is not None else Strategy()
         self.strategy.check_supported(PLANNED_SECTIONS)
         # ``auto``: the planner picks the strategy on the first batch (``_settle_auto``)
@@ -132,8 +135,8 @@ class Engine:
             return plan.strategy.to_yaml()
         text = self.runtime.agree(choose) if self.distributed else choose()
         chosen = Strategy.from_yaml_str(text)
-        if self.is_logging_rank and self.auto_plan is not None:
-            print(format_auto_plan(self.auto_plan, top=self.strategy.auto.top), flush=True)
+        if self.is_logging_rank and self.auto_plan is not None and self.launch.offline is None:
+            print(format_auto_plan(self.auto_plan), flush=True)
         self.strategy = chosen
         self.dump_dir = self.launch.dump_dir(chosen)
         self.planner = self._planner(ParallelLayout.of(chosen))

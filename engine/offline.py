@@ -20,15 +20,18 @@ import tempfile
 from pathlib import Path
 from typing import NoReturn
 
+from ..auto.report import compact_yaml, format_auto_plan
 from ..cost.predict import format_step_time
 from ..cost.profile import Profile, ProfileNotFound, default_profile, default_profile_path
 from ..lower.memory import format_estimates
 from ..strategy import DUMP_DIR_ENV
 from .launch import (
+    PLAN_AUTO_ENV,
     PLAN_EXPLAIN_ENV,
     PLAN_LOCATE_ENV,
     PLAN_REPORT_ENV,
     PLAN_STRATEGY_ENV,
+    PLAN_WRITE_ENV,
     OfflinePlanning,
 )
 
@@ -40,8 +43,12 @@ _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MA
 
 
 def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
-                dump_dir: str, explain: list[str], locate_divergence: bool = False) -> str:
-    """Run ``script`` until its first step is planned; return the report of the plan."""
+                dump_dir: str, explain: list[str], locate_divergence: bool = False,
+                auto: dict | None = None, write_strategy: str | None = None) -> str:
+    """Run ``script`` until its first step is planned; return the report of the plan.
+    ``auto``: an ``auto`` section (``devices``, ``memory_limit_gb``, ...): the planner
+    chooses the strategy (the script's layout dropped; ``strategy_yaml``'s kept as
+    constraints) and ``write_strategy`` receives the chosen one's YAML."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "plan.txt"
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
@@ -51,6 +58,10 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
             env[PLAN_STRATEGY_ENV] = str(Path(strategy_yaml).resolve())
         if locate_divergence:
             env[PLAN_LOCATE_ENV] = "1"
+        if auto is not None:
+            env[PLAN_AUTO_ENV] = json.dumps(auto)
+        if write_strategy:
+            env[PLAN_WRITE_ENV] = str(Path(write_strategy).resolve())
         done = subprocess.run([sys.executable, script, *script_args], env=env)
         if report.exists():
             return report.read_text()
@@ -63,7 +74,11 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
 
 def _time_report(engine, step) -> str:
     """The predicted step time next to memory: on this machine's calibrated profile, else on
-    the shipped reference profile, said so (it was not measured here)."""
+    the shipped reference profile, said so (it was not measured here); under ``--auto``
+    on the profile the planner costed with."""
+    if engine.auto_plan is not None:
+        return (f"{format_step_time(engine.planner.time(step, engine.auto_plan.profile))}\n"
+                f"  (from the profile the planner used: {engine.auto_plan.profile.machine})")
     try:
         profile, source = default_profile(), f"profile {default_profile_path()}"
     except ProfileNotFound:
@@ -84,7 +99,13 @@ def finish_offline_plan(engine, mode: str, offline: OfflinePlanning, inputs,
     divergence from one device when asked) and end the process, which ran only to be
     planned."""
     step = engine.planner.plan(mode, inputs, labels)
-    lines = [engine.summary(mode), format_estimates(engine.planner.memory(step)),
+    lines = []
+    if engine.auto_plan is not None:
+        lines.append(format_auto_plan(engine.auto_plan) + "\n")
+    if offline.write_strategy is not None:
+        Path(offline.write_strategy).write_text(compact_yaml(engine.strategy))
+        lines.append(f"strategy written to {offline.write_strategy}\n")
+    lines += [engine.summary(mode), format_estimates(engine.planner.memory(step)),
              _time_report(engine, step),
              f"dumps: {engine.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
     lines += [f"\nexplain {what}:\n{engine.explain(what, mode)}" for what in offline.explain]

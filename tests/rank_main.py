@@ -39,6 +39,19 @@ def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0
             "optim": engine.optimizer.state_dict()["state"], "predict": predicted}
 
 
+def train_auto(steps: str, profile: str) -> dict:
+    """``auto: {devices: 2}``: rank 0 plans, every rank trains its choice
+    (``tests/test_auto_search.py``)."""
+    from autopar.models.gpt import lm_loss
+    model = parity_gpt("adamw")
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=ap.Strategy.from_yaml_str(
+                           f"auto: {{devices: 2, top: 2, profile: {profile}}}"))
+    history = engine.fit(lm_data(int(steps) * 8, 16, 64), batch_size=8, verbose=0)
+    return {"loss": history["loss"], "state": engine.state_dict(),
+            "strategy": engine.strategy.to_yaml()}
+
+
 def train_and_close(config: str) -> dict:
     """Train inside ``with Engine(...)``: leaving it releases the process groups."""
     from autopar.models.gpt import lm_loss
@@ -470,7 +483,7 @@ def export_full(config: str, path: str, steps: str, meta: str) -> dict:
 
 
 SCENARIOS = {"train_scaled": train_scaled,
-             "train_gpt": train_gpt, "train_and_close": train_and_close,
+             "train_gpt": train_gpt, "train_auto": train_auto, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
              "train_merge": train_merge, "amp_ranks": amp_ranks,
