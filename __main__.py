@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--time-budget-s", type=float,
                       help="--auto: stop starting candidates after this long (default 60)")
     plan.add_argument("--write-strategy", metavar="FILE",
-                      help="--auto: write the chosen strategy's YAML to FILE")
+                      help="write the planned strategy's YAML to FILE (under --auto or an "
+                           "auto: section, the one the planner chose)")
     export = sub.add_parser(
         "export", help="consolidate the model of a checkpoint (Engine.save) into one "
                        "safetensors file")
@@ -87,8 +88,8 @@ def _auto_section(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                "axes": args.axes.split(",") if args.axes else None}
     if not args.auto:
         given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None]
-        if given or args.write_strategy:
-            parser.error(f"{', '.join(given or ['--write-strategy'])} only with --auto")
+        if given:
+            parser.error(f"{', '.join(given)} only with --auto")
         return None
     if args.devices is None:
         parser.error("plan --auto needs --devices N (how many devices to plan for)")

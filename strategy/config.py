@@ -224,7 +224,10 @@ class Strategy(BaseModel):
 
     @property
     def world_size(self) -> int:
-        """Processes the strategy runs on: the mesh size, 1 without a mesh."""
+        """Processes the strategy runs on: the mesh size; without a mesh, ``auto.devices``
+        (the planner chooses the mesh for them), else 1."""
+        if self.mesh is None and self.auto is not None:
+            return self.auto.devices
         return self.mesh.size if self.mesh is not None else 1
 
     def degree(self, section: str) -> int:
