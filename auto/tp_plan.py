@@ -55,9 +55,10 @@ def nearest_tensor_parallel_plan(program: Program, params: dict[str, DistAttr],
     """The plan closest to ``params`` when no plan is exact: each module with a sharded
     parameter gets the first style that shards the same dims of its parameters over the
     same mesh dim, grouped or not (the ILP's candidates lack the grouped shards a fused qkv
-    needs: it picks ``S(0)`` where colwise's ``S(0)x3`` keeps heads whole). (None, why) when
-    the shards span several mesh dims or a module has no such style; the notes list each
-    module taken inexactly."""
+    needs: it picks ``S(0)`` where colwise's ``S(0)x3`` keeps heads whole); failing that, the
+    style that cuts the module's largest parameter (its weight) as the ILP did; failing that
+    the module is left replicated. (None, why) when the shards span several mesh dims; the
+    notes list each module taken inexactly or left out."""
     plan, why = tensor_parallel_plan_of(program, params, mesh)
     if plan is not None or len({m for d in params.values() for m, p in enumerate(d.placements)
                                 if not p.is_replicate()}) > 1:
@@ -76,12 +77,25 @@ def nearest_tensor_parallel_plan(program: Program, params: dict[str, DistAttr],
                                                        users)), None)
         style = exact or next((s for s in STYLES if _same_dims(s, names, params, values, axis,
                                                                mesh, users)), None)
+        # no style cuts all of them so: the one that cuts the largest (the weight) so, the
+        # others as the style pins them (a rowwise bias replicated, not the ILP's shard)
+        largest = max(names, key=lambda n: values[n].type.numel)
+        style = style or next((s for s in STYLES if _same_dims(s, [largest], params, values,
+                                                                axis, mesh, users)), None)
         if style is None:
-            return None, [f"no plan style shards module {module!r} on the dims the ILP chose"]
+            notes.append(f"{module}: no plan style shards it as the ILP chose "
+                         f"({largest} {params[largest]}): left replicated")
+            continue
         if exact is None:
-            notes.append(f"{module}: the ILP's {params[names[0]]} taken as {style}")
+            notes.append(f"{module}: the ILP's {_placements(names, params)} taken as {style}")
         plan[module] = style
     return plan, notes
+
+
+def _placements(names: list[str], params: dict[str, DistAttr]) -> str:
+    """``weight S(1), bias S(0)``: the ILP's placements of a module's parameters."""
+    return ", ".join(f"{n.rpartition('.')[2]} {','.join(map(str, params[n].placements))}"
+                     for n in names)
 
 
 def _same_dims(style, names, params, values, axis, mesh, users) -> bool:

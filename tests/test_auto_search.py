@@ -267,3 +267,26 @@ def _profile_only(tmp_path: Path, machine: str) -> Path:
     path = tmp_path / "constraints.yaml"
     path.write_text(f"auto: {{devices: 2, profile: {machine}}}\n")
     return path
+
+
+def test_a_choice_no_plan_style_reproduces_reads_back_as_the_nearest_plan():
+    from autopar.auto import placed_program
+    from autopar.auto.tp_plan import nearest_tensor_parallel_plan
+    from autopar.ir.dist import DistAttr, Replicate
+    model = MLP(16, 64)
+    strategy = ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [tp]}\n"
+                                         "tensor_parallel: {axis: tp}")
+    program, ctx = placed_program(model, mse, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  strategy, *_rows(4, 16), {})
+    mesh = ctx.state.mesh
+    def d(p):
+        return DistAttr(mesh, (p,))
+    # fc2's bias sharded (as a reduce-scatter would leave it): no style does that; its weight
+    # is rowwise's. fc1's bias alone sharded: no style cuts the weight so: left replicated.
+    params = {"fc1.weight": d(Replicate()), "fc1.bias": d(Shard(0)),
+              "fc2.weight": d(Shard(1)), "fc2.bias": d(Shard(0))}
+    plan, notes = nearest_tensor_parallel_plan(program, params, mesh)
+    assert plan == {"fc2": "rowwise"}
+    assert any(n.startswith("fc2: the ILP's weight S(1), bias S(0) taken as rowwise")
+               for n in notes)
+    assert any(n.startswith("fc1: no plan style") and "left replicated" in n for n in notes)
