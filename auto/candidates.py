@@ -14,14 +14,17 @@ output gets. What is enumerated:
   Shard(d) for every tensor dim d the mesh dim divides, all combinations across mesh dims.
 
 What is not: Partial driving placements (a partial value is reduced where its consumer needs
-it: the edge pays), grouped shards (``S(d)xg``) no producer offers (a parameter's come only
-from a pin), uneven shards (unless offered), and
-combinations of two or more inputs placed at once beyond what the rule derives from one.
+it: the edge pays), grouped shards (``S(d)xg``) no producer offers, uneven shards (unless
+offered), and combinations of two or more inputs placed at once beyond what the rule derives
+from one.
 
 An op without a rule has one strategy: everything replicated (as completion runs it). A
 parameter, state or input is an "op" whose strategies are its placements: one when it is
 already pinned (annotation, batch sharding, plan), else the candidate placements without
-partials (state holds whole values or shards).
+partials (state holds whole values or shards), plus the grouped shard of a fused
+projection (``fused_shards``): the weight and bias of a linear whose output the program
+splits into pieces (a fused qkv's ``S(0)x3``, Megatron's colwise), and their optimizer
+states, on each mesh dim, as a ``colwise`` plan entry would pin them.
 """
 from __future__ import annotations
 
@@ -29,13 +32,16 @@ import itertools
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from ..ir import Op, OpKind, Value
+from ..ir import Op, OpKind, Program, StateKind, Value
+from ..ir.attrs import NAME
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Placement, ProcessMesh, Replicate, Shard
+from ..passes.pinning import AnnotationError
+from ..passes.tensor_parallel_plan import style_placement
 from ..spmd import lookup
 from ..spmd.registry import tensor_inputs
 
-__all__ = ["Candidate", "placements_of", "op_candidates", "start_candidates"]
+__all__ = ["Candidate", "placements_of", "op_candidates", "start_candidates", "fused_shards"]
 
 
 @dataclass(frozen=True)
@@ -104,13 +110,52 @@ def op_candidates(op: Op, mesh: ProcessMesh,
     return list(found.values()) or [_replicated_candidate(op, mesh)]
 
 
-def start_candidates(op: Op, mesh: ProcessMesh) -> list[Candidate]:
+def start_candidates(op: Op, mesh: ProcessMesh, grouped: Sequence[DistAttr] = ()
+                     ) -> list[Candidate]:
     """A parameter's, state's or input's placements: its pinned one, else every candidate
-    placement (replicated first). A non-tensor start has one, empty, strategy."""
+    placement (replicated first), then ``grouped`` (``fused_shards``). A non-tensor start
+    has one, empty, strategy."""
     assert op.kind in (OpKind.INPUT, OpKind.STATE), op
     v: Value = op.outputs[0]
     if not v.is_tensor:
         return [Candidate((), (None,))]
     if v.dist is not None:
         return [Candidate((), (v.dist,))]
-    return [Candidate((), (dist,)) for dist in placements_of(v.type, mesh)]
+    return [Candidate((), (dist,)) for dist in (*placements_of(v.type, mesh), *grouped)]
+
+
+def fused_shards(program: Program, mesh: ProcessMesh) -> dict[Value, tuple[DistAttr, ...]]:
+    """The grouped shards of each unpinned parameter a ``colwise`` plan entry would cut in
+    groups (``passes.tensor_parallel_plan``: a linear's output split into pieces; the
+    enumeration has no grouped shards, so without these the ILP could not choose a fused
+    qkv's colwise ``S(0)x3``), one per mesh dim, and the same for the parameter's optimizer
+    states of its shape (named ``<parameter>/...``)."""
+    users = program.users()
+    found: dict[Value, tuple[DistAttr, ...]] = {}
+    by_name: dict[str, Value] = {}
+    for op in program.states(StateKind.PARAM):
+        v, name = op.result, op.attrs[NAME]
+        if v.is_tensor and v.dist is None and (dists := _grouped(v, name, mesh, users)):
+            found[v], by_name[name] = dists, v
+    for op in program.states(StateKind.OPTIM):
+        param = by_name.get(op.attrs[NAME].rpartition("/")[0])
+        v = op.result
+        if param is not None and v.is_tensor and v.dist is None \
+                and v.type.shape == param.type.shape:
+            found[v] = found[param]
+    return found
+
+
+def _grouped(v: Value, name: str, mesh: ProcessMesh, users: dict[Value, list[Op]]
+             ) -> tuple[DistAttr, ...]:
+    dists = []
+    for axis, n in enumerate(mesh.shape):
+        if n == 1:
+            continue
+        try:
+            dist = style_placement(v, "colwise", axis, mesh, users, name)
+        except AnnotationError:     # no dim gives a sharded output, or heads not whole
+            continue
+        if any(isinstance(p, Shard) and p.grouped for p in dist.placements):
+            dists.append(dist)
+    return tuple(dists)

@@ -25,9 +25,13 @@ otherwise) + a tiny penalty per change of placement (ties go to moving nothing).
 Constraint (optional): per-rank bytes of parameters (counted twice: the gradient is placed
 like its parameter) and optimizer states <= ``memory_limit_bytes``.
 
+Grouped shards: a parameter's only where a ``colwise`` plan entry would cut it in groups (a
+fused qkv's ``S(0)x3``: ``candidates.fused_shards``) or a pin placed it so, and then passed
+on to the values descending from it.
+
 Not modelled: a value moved once for several consumers (each consumer pays, unless
 ``shared_moves``; the reshard pass reuses moves), overlap of communication with compute,
-activation memory, grouped shards of parameters (a fused qkv's ``S(0)x3``: only when pinned).
+activation memory.
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ from ..ir.dist import DistAttr, Partial, ProcessMesh, Shard
 from ..pipeline.cost import FLOPS, op_flops
 from ..reshard.planner import plan_reshard
 from ..spmd.registry import tensor_inputs
-from .candidates import Candidate, op_candidates, start_candidates
+from .candidates import Candidate, fused_shards, op_candidates, start_candidates
 from .layers import RepeatedLayers, repeated_layers
 
 __all__ = ["PlacementChoice", "solve_placements", "CHANGE_PENALTY_S"]
@@ -170,20 +174,22 @@ class _Node:
     op: Op
     cands: list[Candidate]
     first: int = 0        # index of x[op, 0] in the variable vector
-    offered: tuple = ()   # the placements its inputs' producers offered (candidates' key)
 
 
 class _Builder:
     def __init__(self, program: Program, mesh: ProcessMesh, profile: Profile,
-                 shared_moves: bool = False, ties: dict[Op, Op] | None = None):
+                 shared_moves: bool = False, ties: dict[Op, Op] | None = None,
+                 fused: bool = True):
         self.program, self.mesh, self.shared_moves = program, mesh, shared_moves
         self.ties = ties or {}                 # op -> the op whose variables it shares
         self.tied = 0
         # an edge's e variable per (producer variables, consumer variables): tied layers
         # repeat each edge, which then costs its count times on one variable
         self.pairs: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-        self.moved: dict[tuple, int] = {}
-        self.joints: dict[tuple, list[int]] = {}      # shared_moves' u variable per repeated key
+        self.moved: dict[tuple, int] = {}      # shared_moves' u variable per repeated key
+        self.joints: dict[tuple, list[int]] = {}   # an edge's joint e[p, q], likewise
+        # a fused projection's grouped shards, offered to its parameters and their states
+        self.fused = fused_shards(program, mesh) if fused else {}
         self.costs = _Costs(mesh, profile)
         self.nodes: dict[Op, _Node] = {}
         self.c: list[float] = []               # objective per variable
@@ -206,8 +212,8 @@ class _Builder:
     def build(self, memory_limit_bytes: float | None) -> None:
         for op in self.program.ops:
             if op.kind in (OpKind.INPUT, OpKind.STATE):
-                offered: tuple = ()
-                if op.result.is_tensor and op.result.dist is not None and any(
+                offered: tuple = self.fused.get(op.result, ())
+                if offered or op.result.is_tensor and op.result.dist is not None and any(
                         isinstance(p, Shard) and p.groups != 1
                         for p in op.result.dist.placements):
                     self.grouped.add(op.result)
@@ -215,7 +221,7 @@ class _Builder:
                 offered = tuple(frozenset(self._offered(v)) for v in tensor_inputs(op))
             else:
                 continue
-            node = self._tied(op, offered) or self._own(op, offered)
+            node = self._tied(op) or self._own(op, offered)
             self.nodes[op] = node
             for i, cand in enumerate(node.cands):
                 self.c[node.first + i] += self.costs.compute(op, cand)
@@ -237,28 +243,32 @@ class _Builder:
         if op.kind is OpKind.CALL:
             cands = _keeping_pins(op, op_candidates(op, self.mesh, offered))
         else:
-            cands = start_candidates(op, self.mesh)
-        node = _Node(op, cands, len(self.c), offered)
+            cands = start_candidates(op, self.mesh, offered)
+        node = _Node(op, cands, len(self.c))
         for _ in cands:
             self._var(0.0, 0.0, True)
         self.rows.append(({node.first + i: 1.0 for i in range(len(cands))}, 1.0, 1.0))
         return node
 
-    def _tied(self, op: Op, offered: tuple) -> _Node | None:
-        """The variables of the op ``op`` is tied to (``auto.layers``), when its inputs
-        were offered the same placements (so its candidates are the same list)."""
+    def _tied(self, op: Op) -> _Node | None:
+        """The variables (and so the candidates) of the op ``op`` is tied to
+        (``auto.layers``: same target, arguments, types and pins, so each of its strategies
+        is one of ``op``'s). What the producers offer may differ at a layer's edge (a
+        grouped shard a view derives, offered to a later layer only: its residual input
+        descends from the first layer's fused qkv); the first layer's offers stand."""
         rep = self.ties.get(op)
         node = self.nodes.get(rep) if rep is not None else None
-        if node is None or node.offered != offered:
+        if node is None:
             return None
         self.tied += 1
-        return _Node(op, node.cands, node.first, offered)
+        return _Node(op, node.cands, node.first)
 
     def _offered(self, v: Value) -> set[DistAttr]:
-        """Grouped shards ``v``'s producer offers where ``v`` descends from a value pinned
-        grouped (a plan's fused qkv ``S(0)x3``): the enumeration lacks them. Only there:
-        offering every producer placement (partials, grouped and uneven shards the rules
-        derive) made the 2-layer GPT's solve 15-25x slower (34-65 s, not 2.4 s) for the
+        """Grouped shards ``v``'s producer offers where ``v`` descends from a value placed
+        grouped (a plan's fused qkv ``S(0)x3``, or a candidate of one: ``fused_shards``):
+        the enumeration lacks them. Only there: offering every producer placement
+        (partials, grouped and uneven shards the rules derive) made the 2-layer GPT's solve
+        15-25x slower (34-65 s, not 2.4 s, in the earlier e >= x + y - 1 form) for the
         same optimum."""
         node = self.nodes[v.producer]
         if v.producer.kind is OpKind.CALL:
@@ -429,21 +439,23 @@ class _Builder:
 def solve_placements(program: Program, mesh: ProcessMesh, profile: Profile | None = None,
                      memory_limit_bytes: float | None = None,
                      time_limit_s: float | None = None, shared_moves: bool = False,
-                     tie_layers: bool = True) -> PlacementChoice:
+                     tie_layers: bool = True, fused: bool = True) -> PlacementChoice:
     """Choose a strategy for every op of ``program`` (placed values stay as pinned) on
     ``mesh``, minimising predicted step seconds on ``profile`` (default: the reference
     profile), within ``memory_limit_bytes`` of parameters, gradients and optimizer state per
     rank. ``shared_moves``: a value several consumers need in one placement is moved (and
     paid) once, as the reshard pass does, at the price of a variable per (value, placement)
     and one row per consumer: on the 2-layer E=512 GPT it chose the same plan with a solve
-    7x slower (30 s, not 4 s), so it is off by default. Raises ValueError when no placement
+    6x slower (0.6 s, not 0.1 s), so it is off by default. Raises ValueError when no placement
     fits the limit. ``tie_layers``: identical repeated layers (``auto.layers``) share one
     strategy, so the program holds one layer of each class (the optimum is then the best
-    plan in which every identical layer does the same)."""
+    plan in which every identical layer does the same). ``fused``: offer the grouped shard
+    of a fused projection's parameters (``candidates.fused_shards``); without it the ILP
+    cannot choose Megatron's colwise qkv."""
     profile = profile or Profile.reference()
     start = time.perf_counter()
     layers = repeated_layers(program) if tie_layers else RepeatedLayers()
-    builder = _Builder(program, mesh, profile, shared_moves, layers.ties)
+    builder = _Builder(program, mesh, profile, shared_moves, layers.ties, fused)
     builder.build(memory_limit_bytes)
     constraints = builder.matrix()
     build_s = time.perf_counter() - start

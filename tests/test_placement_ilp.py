@@ -10,6 +10,7 @@ import autopar as ap
 from autopar.annotations import param_annotation
 from autopar.auto import auto_placements, placed_program, solve_placements
 from autopar.auto.ilp_completion import commit_choice
+from autopar.auto.tp_plan import tensor_parallel_plan_of
 from autopar.cost.profile import AlphaBeta, Curve, Profile
 from autopar.ir import Role
 from autopar.ir.dist import Replicate, Shard
@@ -114,21 +115,30 @@ def test_a_memory_limit_forces_sharding():
         _solve(model, rows=4, memory_limit_bytes=0.1 * full)
 
 
-def test_gpt_tp2_plan_costs_no_more_than_the_hand_plan_and_trains_like_eager():
+MEGATRON = {f"blocks.{i}.{m}": s for i in range(2) for m, s in (
+    ("attn.qkv", "colwise"), ("attn.proj", "rowwise"), ("fc1", "colwise"), ("fc2", "rowwise"))}
+
+
+def test_gpt_tp2_picks_megatron_with_the_fused_qkv_in_groups_and_trains_like_eager():
+    """The fused qkv's colwise ``S(0)x3`` is a candidate (``candidates.fused_shards``), so
+    the ILP finds Megatron's plan by itself; it costs no more than configs/tp.yaml's."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
     x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     free = ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [tp]}")
     program, ctx = placed_program(model, lm_loss, opt, free, x, y)
-    # on the reference profile (gloo on 2 cores): on MACHINE this GPT's optimum mixes
-    # shards and the solve takes ~70 s, too slow for a unit test
-    auto = solve_placements(program, ctx.state.mesh)
+    auto = solve_placements(program, ctx.state.mesh, MACHINE)
+    plain = solve_placements(program, ctx.state.mesh, MACHINE, fused=False)
     hand_program, ctx = placed_program(model, lm_loss, opt,
                                        ap.Strategy.from_yaml("configs/tp.yaml"), x, y)
-    hand = solve_placements(hand_program, ctx.state.mesh)
-    print(f"auto: {auto.summary()}\nhand tp.yaml: {hand.summary()}")
+    hand = solve_placements(hand_program, ctx.state.mesh, MACHINE)
+    print(f"auto: {auto.summary()}\nwithout grouped qkv: {plain.summary()}\n"
+          f"hand tp.yaml: {hand.summary()}")
     assert auto.objective_s <= hand.objective_s * (1 + 1e-9)
+    assert auto.objective_s < plain.objective_s
+    assert auto.params["blocks.0.attn.qkv.weight"].placements == (Shard(0, groups=3),)
+    assert tensor_parallel_plan_of(program, auto.params, ctx.state.mesh) == (MEGATRON, "")
     ref = twin(model)
     for name, p in model.named_parameters():
         if name in auto.params:
