@@ -11,12 +11,14 @@ from torch import nn
 import autopar as ap
 from autopar.auto import placed_program, solve_placements
 from autopar.auto.layers import layer_of, repeated_layers
+from autopar.auto.tp_plan import tensor_parallel_plan_of
 from autopar.cost.profile import AlphaBeta, Profile
 from autopar.ir import OpKind, Role
 from autopar.ir.attrs import NAME
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 
+from .models_zoo import hf_gpt2
 from .parity import one_thread
 from .test_placement_ilp import MACHINE
 
@@ -184,3 +186,26 @@ def test_a_memory_limit_counts_every_tied_layers_state():
     assert tight.tied_ops and tight.state_bytes <= limit
     assert untied.state_bytes <= limit
     assert tight.objective_s >= untied.objective_s * (1 - 1e-9)
+
+
+def test_a_hugging_face_gpt2_is_solved_once_per_layer_and_reads_back_as_megatron():
+    """transformers' GPT-2: ``transformer.h.<i>`` tied; its Conv1D ``c_attn`` (fused qkv,
+    weight ``[in, 3 * out]``) gets colwise in groups as a candidate, so the plan is exact."""
+    torch.manual_seed(0)
+    model = hf_gpt2("sdpa", 64, n_layer=3)
+    ids = torch.randint(0, 64, (2, 16))
+    program, ctx = placed_program(model, None, torch.optim.AdamW(model.parameters()),
+                                  ap.Strategy.from_yaml_str(TP2),
+                                  {"input_ids": ids, "labels": ids}, None)
+    found = repeated_layers(program)
+    assert [(c.container, c.indices) for c in found.classes] == [("transformer.h", (0, 1, 2))]
+    tied = solve_placements(program, ctx.state.mesh, MACHINE)
+    free = solve_placements(program, ctx.state.mesh, MACHINE, tie_layers=False)
+    assert tied.tied_ops == 2 * found.classes[0].ops and tied.variables < free.variables / 2
+    assert tied.params == free.params
+    assert tied.objective_s == pytest.approx(free.objective_s, rel=1e-9)
+    plan, why = tensor_parallel_plan_of(program, tied.params, ctx.state.mesh)
+    assert (plan, why) == ({f"transformer.h.{i}.{m}": s for i in range(3) for m, s in (
+        ("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"),
+        ("mlp.c_proj", "rowwise"))}, "")
+    assert tied.params["transformer.h.0.attn.c_attn.weight"].placements[0].grouped
