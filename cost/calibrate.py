@@ -1,18 +1,20 @@
 """``python -m autopar calibrate``: measure this machine's profile (cost/profile.py).
 
-Every measurement runs inside each of the ``--processes`` concurrently running processes,
-with the thread count those processes have (torchrun's one thread each, as training gets),
-because a training job on N ranks of one machine shares its cores: a curve measured by one
-process alone would be N/cores times too fast.
+Compute is measured by process 0 alone, the other processes idle at a barrier (a gloo
+barrier sleeps, it does not spin): one process's curves, with the machine's cores as they
+are. How much slower P processes computing at once run (``slowdown``, P = 1..processes)
+is measured apart, on a few probes timed over long windows (0.1 s: with 10 ms ones the
+scheduler's sharing was erratic) with P processes computing together; the predictor
+scales a plan's compute by it (``Profile.contention``).
 
-* compute: ``aten.mm`` over FLOPs (square and activation-by-weight shapes, fp32) and
-  memory-bound ``aten.add``/``mul``/``gelu`` over bytes read + written, through the very
-  callables the generated code calls (``ir.ops.resolve``). A sample is a batch of
-  back-to-back calls long enough to span the scheduler's time slices (a single tiny call is
-  timed while its process holds a core, whatever the contention); every process takes it
-  at once, behind a barrier, and the rounds sweep all sizes (``sweep``), so a burst of
-  other load spoils one sample of many points rather than every sample of one. A point is
-  the median over rounds, then over processes.
+* compute: ``aten.mm`` over FLOPs (square and activation-by-weight shapes; fp32, fp16,
+  bf16) and memory-bound ``aten.add``/``mul``/``gelu`` over bytes read + written, through
+  the very callables the generated code calls (``ir.ops.resolve``); and the ops the class
+  curves get badly wrong, each its own curve (``cost/op_probes.py``: gelu, layer norm,
+  softmax, SDPA and their backwards, AdamW per parameter) and one view op's cost. A sample
+  is back-to-back calls for a window of ``batch_s``; the rounds sweep all sizes
+  (``sweep``), so a burst of other load spoils one sample of many points rather than
+  every sample of one. A point is the median over rounds.
 * executor overhead: a generated program (``runtime.codegen.generate``, as every step runs)
   of many tiny adds, per op, minus the same add called directly: what autopar adds per op
   on top of the aten call the curves already include.
@@ -57,6 +59,8 @@ from ..reshard.steps import AllGather, AllReduce, AllToAll, ReduceScatter
 from ..runtime.codegen import generate
 from ..runtime.collectives import bind_step
 from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups, shutdown
+from . import op_probes
+from .predict import op_size
 from .profile import COLLECTIVE_KINDS, AlphaBeta, Curve, Profile
 
 __all__ = ["Settings", "calibrate", "run", "launch", "summary", "fit_alpha_beta"]
@@ -76,13 +80,17 @@ class Settings:
     overhead_ops: int = 256
     half_matmul_flops: tuple[float, ...] = (1e4, 1e6, 1e8)    # half precision: slow on CPU
     half_pointwise_bytes: tuple[float, ...] = (1024.0, 65536.0, 4194304.0)
+    op_sizes: int = 4                     # sizes of each probed op (cost/op_probes.py)
+    half_op_sizes: int = 2
+    slowdown_repeats: int = 6
+    slowdown_window_s: float = 0.1
 
     @classmethod
     def default(cls) -> Settings:
         return cls(matmul_flops=tuple(10 ** (k / 2) for k in range(6, 19)),
                    pointwise_bytes=tuple(float(4 ** k) for k in range(3, 14)),
                    collective_bytes=tuple(4 ** k for k in range(5, 13)),
-                   batch_s=0.02, repeats=9, comm_repeats=31,
+                   batch_s=0.01, repeats=9, comm_repeats=31,
                    half_matmul_flops=tuple(10.0 ** k for k in range(3, 9)),
                    half_pointwise_bytes=tuple(float(4 ** k) for k in range(4, 13, 2)))
 
@@ -91,7 +99,8 @@ class Settings:
         return cls(matmul_flops=(1e3, 1e5, 1e7), pointwise_bytes=(256.0, 16384.0, 1048576.0),
                    collective_bytes=(1024, 65536, 1048576), batch_s=0.004, repeats=3,
                    comm_repeats=3, overhead_ops=64, half_matmul_flops=(1e4, 1e6),
-                   half_pointwise_bytes=(1024.0, 65536.0))
+                   half_pointwise_bytes=(1024.0, 65536.0), op_sizes=2, half_op_sizes=1,
+                   slowdown_repeats=1, slowdown_window_s=0.02)
 
 
 # ------------------------------------------------------------------------------- timing
@@ -106,29 +115,35 @@ Probe = Callable[[], float]     # one timed sample: seconds per call
 
 
 def _batch_probe(fn: Callable[[], object], batch_s: float) -> Probe:
-    """A probe timing one batch of back-to-back calls of ``fn``: as many calls as fill
-    ``batch_s`` (at least one), counted on a warm-up call."""
+    """A probe timing back-to-back calls of ``fn`` until ``batch_s`` has passed (at least
+    one call; warmed up once). A window of fixed length, not a fixed count of calls: the
+    processes measured together start behind a barrier and all stay busy to the end of
+    the window, so each sample is taken under the full contention of all of them (with a
+    fixed count the first process done leaves the cores to the others, and the measured
+    sharing depended on the batch length: 0.46 to 0.92 for one process alone)."""
     fn()
-    start = time.perf_counter()
-    fn()
-    calls = max(1, round(batch_s / max(time.perf_counter() - start, 1e-7)))
 
     def probe() -> float:
         start = time.perf_counter()
-        for _ in range(calls):
+        deadline, calls = start + batch_s, 0
+        while True:
             fn()
-        return (time.perf_counter() - start) / calls
+            calls += 1
+            now = time.perf_counter()
+            if now >= deadline:
+                return (now - start) / calls
     return probe
 
 
-def sweep(probes: list[Probe], rounds: int) -> list[float]:
-    """Each probe's median over ``rounds`` sweeps of all of them, each sample behind a
-    barrier: a burst of someone else's load hits one sample of many points, not every
-    sample of one."""
+def sweep(probes: list[Probe], rounds: int, together: bool = True) -> list[float]:
+    """Each probe's median over ``rounds`` sweeps of all of them: a burst of someone
+    else's load hits one sample of many points, not every sample of one. ``together``:
+    every sample behind a barrier (every process sweeps); else this process alone."""
     samples: list[list[float]] = [[] for _ in probes]
     for _ in range(rounds):
         for probe, mine in zip(probes, samples):
-            _barrier()
+            if together:
+                _barrier()
             mine.append(probe())
     return [statistics.median(mine) for mine in samples]
 
@@ -166,7 +181,7 @@ def _matmul_curve(settings: Settings, sizes: tuple[float, ...],
             b = torch.randn(n, k, dtype=dtype).t()              # a Linear's transposed weight
             probes.append(_batch_probe(functools.partial(mm, a, b), settings.batch_s))
             work.append(2 * m * k * n)
-    rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats))]
+    rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats, False))]
     per = len(rates) // len(sizes)
     return [flops / _geomean(rates[i * per:(i + 1) * per]) for i, flops in enumerate(sizes)]
 
@@ -189,7 +204,7 @@ def _pointwise_curve(settings: Settings, sizes: tuple[float, ...],
             probes.append(_batch_probe(functools.partial(_kernel(target), *args),
                                        settings.batch_s))
             work.append(n * per_element)
-    rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats))]
+    rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats, False))]
     per = len(POINTWISE)
     return [nbytes / _geomean(rates[i * per:(i + 1) * per]) for i, nbytes in enumerate(sizes)]
 
@@ -197,30 +212,59 @@ def _pointwise_curve(settings: Settings, sizes: tuple[float, ...],
 HALF = (torch.float16, torch.bfloat16)
 
 
+def measure_ops(settings: Settings) -> dict[str, list[float]]:
+    """The probed ops' points (``cost/op_probes.py``), all in one sweep: ``"op:<target>:
+    <dtype>"`` -> seconds of one call (per parameter for an optimizer's group call) and
+    ``"opsize:..."`` -> its ``op_size``; and ``"view"``: one view op's seconds."""
+    probes, keys, sizes, calls = [], [], [], []
+    for dtype in (torch.float32, *HALF):
+        count = settings.op_sizes if dtype == torch.float32 else settings.half_op_sizes
+        for target, per, (fn, op) in op_probes.cases(dtype, count):
+            probes.append(_batch_probe(fn, settings.batch_s))
+            keys.append(f"{target}:{_dtype_name(dtype)}")
+            sizes.append(op_size(op))
+            calls.append(per)
+    views = op_probes.view_cases()
+    probes += [_batch_probe(fn, settings.batch_s) for fn in views]
+    seconds = sweep(probes, settings.repeats, False)
+    out: dict[str, list[float]] = {}
+    for key, size, per, t in zip(keys, sizes, calls, seconds):
+        out.setdefault("op:" + key, []).append(t / per)
+        out.setdefault("opsize:" + key, []).append(size)
+    out["view"] = [statistics.median(seconds[len(keys):])]
+    return out
+
+
 def _slowdown_probes(settings: Settings) -> list[Probe]:
-    """What the slowdown is measured on: a mid-size and a large matmul, a pointwise add."""
+    """What the slowdown is measured on: a small and a large matmul and a pointwise add,
+    each over a window of ``slowdown_window_s`` (long enough for the scheduler to share
+    the cores fairly among the processes: 10 ms windows gave erratic rates)."""
     mm, add = _kernel("aten.mm.default"), _kernel("aten.add.Tensor")
-    mid, large = torch.randn(128, 256), torch.randn(512, 512)
-    x, y = torch.randn(1 << 18), torch.randn(1 << 18)
-    return [_batch_probe(functools.partial(mm, mid, torch.randn(512, 256).t()), settings.batch_s),
-            _batch_probe(functools.partial(mm, large, large), settings.batch_s),
-            _batch_probe(functools.partial(add, x, y), settings.batch_s)]
+    shapes = ((64, 128, 64), (256, 256, 256))
+    mms = [(torch.randn(m, k), torch.randn(n, k).t()) for m, k, n in shapes]
+    x, y = torch.randn(1 << 16), torch.randn(1 << 16)
+    window = settings.slowdown_window_s
+    return ([_batch_probe(functools.partial(mm, a, b), window) for a, b in mms]
+            + [_batch_probe(functools.partial(add, x, y), window)])
 
 
 def measure_slowdown(settings: Settings, world: int, rank: int) -> list[list[float] | None]:
     """For P = 1..world processes computing at once (ranks below P; the others wait at
-    the barrier), this process's median seconds of each slowdown probe (None: idle)."""
+    the barrier, which does not spin), this process's median seconds of each slowdown
+    probe (None: idle). Every round sweeps all P, so a burst of other load hits every P
+    alike rather than all samples of one; the first round is a warm-up and is dropped."""
     probes = _slowdown_probes(settings)
-    out: list[list[float] | None] = []
-    for active in range(1, world + 1):
-        samples: list[list[float]] = [[] for _ in probes]
-        for _ in range(settings.repeats):
-            for probe, mine in zip(probes, samples):
+    samples = {active: [[] for _ in probes] for active in range(1, world + 1)}
+    for repeat in range(settings.slowdown_repeats + 1):
+        for active in range(1, world + 1):
+            for probe, mine in zip(probes, samples[active]):
                 _barrier()
                 if rank < active:
-                    mine.append(probe())
-        out.append([statistics.median(m) for m in samples] if rank < active else None)
-    return out
+                    t = probe()
+                    if repeat:
+                        mine.append(t)
+    return [[statistics.median(m) for m in samples[active]] if rank < active else None
+            for active in range(1, world + 1)]
 
 
 def _tiny_add_program(ops: int) -> Program:
@@ -248,7 +292,6 @@ def _executor_overhead(settings: Settings) -> tuple[float, float]:
     fn, _ = generate(_tiny_add_program(ops))
     feeds, state = {"x": torch.randn(16)}, {"w": torch.randn(16)}
     add, x, w = _kernel("aten.add.Tensor"), feeds["x"], state["w"]
-    _barrier()
     fn(feeds, state)
     start = time.perf_counter()
     fn(feeds, state)
@@ -442,10 +485,20 @@ def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None
     kind -> group size -> [(bytes sent, median seconds)]), the others None."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    compute = measure_compute(settings)
+    phases = {"start": time.perf_counter()}
+    compute: dict[str, list[float]] = {}
+    if rank == 0:              # alone: the others wait at the barrier (it does not spin)
+        compute = measure_compute(settings)
+        phases["compute"] = time.perf_counter()
+        with torch.no_grad():
+            compute.update(measure_ops(settings))
+        phases["ops"] = time.perf_counter()
+    _barrier()
     with torch.no_grad():
         slowdown = measure_slowdown(settings, world, rank)
+    phases["slowdown"] = time.perf_counter()
     collectives = measure_collectives(settings, world) if world > 1 else {}
+    phases["collectives"] = time.perf_counter()
     mine = {"compute": compute, "collectives": collectives, "slowdown": slowdown}
     everyone = [mine]
     if world > 1:
@@ -453,28 +506,23 @@ def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None
         dist.all_gather_object(everyone, mine)
     if rank != 0:
         return None
-    measured = {"compute": _median_compute(everyone), "collectives": _median_comm(everyone),
-                "slowdown": _slowdown(everyone)}
+    names = list(phases)
+    measured = {"compute": everyone[0]["compute"], "collectives": _median_comm(everyone),
+                "slowdown": _slowdown(everyone),
+                "phases": {b: phases[b] - phases[a] for a, b in zip(names, names[1:])}}
     return _profile(settings, processes, measured), measured
-
-
-def _median_compute(everyone: list[dict]) -> dict[str, list[float]]:
-    """Each compute measurement, the median over processes."""
-    first = everyone[0]["compute"]
-    return {key: [statistics.median(p["compute"][key][i] for p in everyone)
-                  for i in range(len(values))] for key, values in first.items()}
 
 
 def _slowdown(everyone: list[dict]) -> dict[int, float]:
     """P -> the probes' mean (geometric) ratio of P processes' time (median over the
-    active ones) to all processes' time."""
+    active ones) to one process's alone (the curves' condition)."""
     world = len(everyone)
 
     def times(active: int) -> list[float]:
         rows = [p["slowdown"][active - 1] for p in everyone[:active]]
         return [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
-    full = times(world)
-    return {active: _geomean([t / f for t, f in zip(times(active), full)])
+    alone = times(1)
+    return {active: _geomean([t / a for t, a in zip(times(active), alone)])
             for active in range(1, world + 1)}
 
 
@@ -503,8 +551,21 @@ def _profile(settings: Settings, processes: int, measured: dict) -> Profile:
             settings.half_pointwise_bytes, compute["pointwise:" + _dtype_name(d)])
             for d in HALF},
         slowdown=measured["slowdown"],
+        op_curves=_op_curves(compute), view_s=compute["view"][0],
         collectives={kind: {n: fit_alpha_beta(points) for n, points in by_n.items()}
                      for kind, by_n in measured["collectives"].items()})
+
+
+def _op_curves(compute: dict[str, list[float]]) -> dict[str, dict[str, Curve]]:
+    """target -> dtype -> the probed op's curve (``measure_ops``' points, median over
+    processes), made monotone as the class curves are."""
+    out: dict[str, dict[str, Curve]] = {}
+    for key, seconds in compute.items():
+        if key.startswith("op:"):
+            target, dtype = key[3:].rsplit(":", 1)
+            sizes = tuple(compute["opsize:" + key[3:]])
+            out.setdefault(target, {})[dtype] = monotone_curve(sizes, seconds)
+    return out
 
 
 def _fit_error(fit: AlphaBeta, points: list[tuple[float, float]]) -> float:
@@ -520,7 +581,8 @@ def summary(profile: Profile, measured: dict, out: str) -> str:
     """What a user reads after calibrating."""
     compute = measured["compute"]
     lines = [f"autopar calibrate: {profile.machine}; {profile.processes} process(es) x "
-             f"{profile.threads} thread(s), measured together", "matmul (fp32 mm):"]
+             f"{profile.threads} thread(s); compute curves: process 0 alone, the others "
+             "idle", "matmul (fp32 mm):"]
     for size, t in _rows_to_show(profile.matmul.points):
         lines.append(f"  {size:10.3g} FLOP {t * 1e6:10.1f} us  {size / t / 1e9:7.2f} GFLOP/s")
     lines.append("pointwise (add/mul/gelu; bytes read + written):")
@@ -531,9 +593,17 @@ def summary(profile: Profile, measured: dict, out: str) -> str:
         lines.append(f"matmul {name}: {size:.3g} FLOP {size / t / 1e9:.2f} GFLOP/s; pointwise "
                      f"{name}: {profile.pointwise_dtypes[name].throughput(4e6) / 1e9:.2f} "
                      "GB/s at 4 MB")
-    lines.append("slowdown (processes computing at once: time relative to all "
-                 f"{profile.processes}): " + ", ".join(
+    lines.append("slowdown (processes computing at once: time relative to one "
+                 "alone): " + ", ".join(
                      f"{p}: {s:.2f}" for p, s in sorted(profile.slowdown.items())))
+    lines.append("probed ops (size: FLOPs for attention, parameter bytes for AdamW, bytes "
+                 "read + written otherwise; smallest and largest point):")
+    for target, by_dtype in profile.op_curves.items():
+        for dtype, curve in by_dtype.items():
+            (s0, t0), (s1, t1) = curve.points[0], curve.points[-1]
+            lines.append(f"  {target.removeprefix('aten.'):48s} {dtype:9s} {s0:9.3g}: "
+                         f"{t0 * 1e6:8.1f} us  {s1:9.3g}: {t1 * 1e6:9.1f} us")
+    lines.append(f"view ops: {profile.view_s * 1e6:.2f} us each")
     lines.append(f"executor: {compute['executor'][0] * 1e6:.2f} us per tiny op in generated "
                  f"code, {compute['direct'][0] * 1e6:.2f} us called directly: overhead "
                  f"{profile.op_overhead_s * 1e6:.2f} us per op")
@@ -545,6 +615,8 @@ def summary(profile: Profile, measured: dict, out: str) -> str:
             error = _fit_error(fit, measured["collectives"][kind][n])
             lines.append(f"  {kind:15s} {n} ranks: alpha {fit.alpha_s * 1e6:8.1f} us  "
                          f"1/beta {rate:6.2f} GB/s  R^2 {fit.r2:6.3f}  worst {error:4.0%}")
+    lines.append("rank 0's time per phase: " + ", ".join(
+        f"{name} {seconds:.1f} s" for name, seconds in measured.get("phases", {}).items()))
     lines.append(f"profile written to {out}")
     return "\n".join(lines)
 

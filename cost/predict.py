@@ -2,10 +2,13 @@
 
 Every process's local program is walked once, in program order, with a clock:
 
-* a computation costs its curve (``matmul`` by FLOPs for the op classes in ``MATMUL``,
+* a computation costs its own measured curve where the profile has one
+  (``Profile.op_curves``: gelu, layer norm, softmax, SDPA, AdamW per parameter, ... over
+  ``op_size``), else its class's (``matmul`` by FLOPs for the op classes in ``MATMUL``,
   ``pointwise`` by bytes read + written for the rest, a few ops several kernels:
-  ``KERNELS``; views move nothing: ``VIEWS``) plus ``op_overhead_s``, the executor's own cost
-  of running an op — every CALL and COMM op of the program is one;
+  ``KERNELS``); a view (``VIEWS``) moves nothing and costs the profile's ``view_s``; plus
+  ``op_overhead_s``, the executor's own cost of running an op — every CALL and COMM op of
+  the program is one;
 * a collective costs the profile's alpha-beta fit of its kind and group size at the bytes a
   rank sends (``reshard.cost.reshard_bytes``' ring formulas, on the padded pieces the
   runtime moves).
@@ -25,22 +28,20 @@ once-a-step ``pre_mb``/``pre`` jobs are added to its first schedule job (they ru
 it; on a rank whose first job waits for a message this counts them even when they would
 hide in the wait) and its ``post`` job after its last one.
 
-Processes sharing cores: the profile was measured with ``profile.processes`` processes of
-``profile.threads`` threads running at once on the machine's cores, so its times hold that
-time-sharing. A plan of P processes has its compute (the curves and the executor's
-overhead) scaled by ``contention``: the profile's measured ``slowdown`` of P processes
-computing at once (``Profile.contention``; on 2 cores, 1 process alone runs at ~0.6 the
-time of 4 together, not the 0.5 linear core-sharing would say). A profile without it
-(hand-made ones in tests) falls back to the ratio of ``max(1, P x threads / cpus)`` to the
-profile's own. Ops are timed on their dtype's curve (``op_dtype``; half precision has its
-own curves, fp32's for dtypes not measured). Collectives are not: over
-loopback gloo they are latency-bound (a 128 KiB all-reduce on 2 processes alone takes about
-0.8x its time with 4 processes on the 2 cores, not 0.5x). The planner asks about one
-machine, the one calibrated.
+Processes sharing cores: the profile's compute was measured by one process alone. A plan
+of P processes has its compute (the curves and the executor's overhead) scaled by
+``contention``: the profile's measured ``slowdown`` of P processes computing at once
+(``Profile.contention``; on 2 cores, 2 processes run about as fast as one, 4 about half
+as fast). A profile without it (hand-made ones in tests) falls back to the ratio of
+``max(1, P x threads / cpus)`` to the profile's own. Ops are timed on their dtype's curve
+(``op_dtype``; half precision has its own curves, fp32's for dtypes not measured).
+Collectives are not scaled: they were measured with all the launch's processes running,
+and over loopback gloo they are latency-bound. The planner asks about one machine, the
+one calibrated.
 
 What is not modelled: copies a ``reshape`` makes of a non-contiguous input (counted as a
 view), the random-state bookkeeping of dropout, and the Python work of the pipeline runtime
-between jobs (its store), beyond the accumulations' adds.
+between jobs (its store, posting messages), beyond the accumulations' adds.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ from ..reshard.steps import AllGather, AllReduce, ReduceScatter
 from .profile import Profile
 
 __all__ = ["ProcessTime", "StepTime", "predict_step", "op_seconds", "comm_seconds", "contention",
-           "MATMUL", "VIEWS", "KERNELS", "format_step_time", "op_dtype"]
+           "MATMUL", "VIEWS", "KERNELS", "OPTIMIZERS", "format_step_time", "op_dtype",
+           "op_size"]
 
 
 # --------------------------------------------------------------------------------------
@@ -167,11 +169,33 @@ def _moved_bytes(op: Op) -> float:
             + sum(_nbytes(v.type) for v in op.outputs if v.is_tensor))
 
 
+# Ops whose size measure is the bytes of the parameter they update (their first input).
+OPTIMIZERS: frozenset[str] = frozenset({"optim.adam", "optim.sgd"})
+
+
+def op_size(op: Op) -> float:
+    """The size an op's curve is over: FLOPs of a matmul-class op (``MATMUL``), the
+    parameter's bytes of an optimizer update, bytes read + written otherwise. Calibration
+    measures the profile's per-op curves over this very function (``cost/op_probes.py``)."""
+    rule = MATMUL.get(op.target)
+    if rule is not None:
+        return rule(op)
+    if op.target in OPTIMIZERS:
+        return _nbytes(op.args[0].type)
+    return _moved_bytes(op)
+
+
 def op_seconds(op: Op, profile: Profile) -> float:
-    """Compute time of one CALL op (local shapes), without the executor's overhead."""
+    """Compute time of one CALL op (local shapes), without the executor's overhead: the
+    op's own measured curve where the profile has one (``Profile.op_curves``), else its
+    class's (matmul by FLOPs, pointwise by bytes, ``KERNELS`` for a few multi-kernel ops);
+    a view costs the profile's ``view_s``."""
     if op.target in VIEWS:
-        return 0.0
+        return profile.view_s
     dtype = op_dtype(op)
+    own = profile.op_curve(op.target, dtype)
+    if own is not None:
+        return own.seconds(op_size(op))
     rule = MATMUL.get(op.target)
     if rule is not None:
         return profile.matmul_curve(dtype).seconds(rule(op))

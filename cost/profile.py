@@ -108,22 +108,28 @@ def default_profile_path() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "autopar" / "profile.json"
 
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 class Profile(BaseModel):
     """What ``python -m autopar calibrate`` measured on one machine.
 
-    ``matmul``/``pointwise`` are fp32; ``matmul_dtypes``/``pointwise_dtypes`` hold the
-    half-precision curves by dtype name (``"float16"``, ``"bfloat16"``): CPU half matmuls
-    run at a small fraction of fp32's rate. ``slowdown``: processes computing at once ->
-    their time relative to the curves' measurement (all ``processes`` at once), measured
-    with the others idle at a barrier: time-sharing cores is not linear in the processes.
+    The compute curves are one process's, measured alone (``processes``: the launch the
+    collectives and the slowdown were measured on). ``matmul``/``pointwise`` are fp32;
+    ``matmul_dtypes``/``pointwise_dtypes`` hold the half-precision curves by dtype name
+    (``"float16"``, ``"bfloat16"``): CPU half matmuls run at a small fraction of fp32's
+    rate. ``slowdown``: processes computing at once -> their time relative to one alone
+    (1 -> 1.0), measured with the others idle at a barrier: time-sharing cores is not
+    linear in the processes.
+    ``op_curves``: target -> dtype name -> the curve of that op alone (``cost/op_probes.py``:
+    gelu, layer norm, softmax, SDPA, AdamW per parameter...), over ``cost.predict.op_size``;
+    ``view_s``: one view op (no data moves: aten's dispatch and the view's metadata).
+    Format 3 added ``op_curves`` and ``view_s`` and measures the curves alone.
     """
 
     version: int = PROFILE_VERSION
     machine: str                 # platform.node(), cpu count, torch version, backend
-    processes: int               # concurrent processes the compute curves were measured with
+    processes: int               # the calibration's processes (collectives, slowdown)
     threads: int                 # torch threads per process during measurement
     matmul: Curve                # size = FLOPs (2*m*n*k) of one mm/bmm/addmm call
     pointwise: Curve             # size = bytes read + written by one memory-bound op
@@ -132,6 +138,8 @@ class Profile(BaseModel):
     matmul_dtypes: dict[str, Curve] = {}
     pointwise_dtypes: dict[str, Curve] = {}
     slowdown: dict[int, float] = {}
+    op_curves: dict[str, dict[str, Curve]] = {}
+    view_s: float = 0.0
 
     @field_validator("version")
     @classmethod
@@ -149,6 +157,15 @@ class Profile(BaseModel):
     def pointwise_curve(self, dtype: str) -> Curve:
         """The pointwise curve for ops of ``dtype``; fp32's otherwise."""
         return self.pointwise_dtypes.get(dtype, self.pointwise)
+
+    def op_curve(self, target: str, dtype: str) -> Curve | None:
+        """The measured curve of ``target`` in ``dtype`` (its fp32 one when that dtype was
+        not measured: torch runs some ops in fp32 under autocast); None when the target was
+        not probed."""
+        by_dtype = self.op_curves.get(target)
+        if not by_dtype:
+            return None
+        return by_dtype.get(dtype, by_dtype.get("float32"))
 
     def contention(self, processes: int) -> float:
         """Compute time of ``processes`` processes running at once relative to the curves'

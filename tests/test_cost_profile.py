@@ -168,8 +168,16 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path):
     # measured half-precision curves and the slowdown of 1 and 2 processes computing
     assert set(profile.matmul_dtypes) == set(profile.pointwise_dtypes) == {"float16",
                                                                          "bfloat16"}
-    assert sorted(profile.slowdown) == [1, 2] and profile.slowdown[2] == pytest.approx(1.0)
+    assert sorted(profile.slowdown) == [1, 2] and profile.slowdown[1] == pytest.approx(1.0)
     assert all(0 < s < 3 for s in profile.slowdown.values())
+    # the probed ops: a curve per target and dtype, over growing sizes; the view cost
+    assert {"aten.gelu.default", "optim.adam",
+            "aten._scaled_dot_product_flash_attention_for_cpu.default"} <= set(
+                profile.op_curves)
+    assert set(profile.op_curves["aten.gelu.default"]) == {"float32", "float16", "bfloat16"}
+    assert set(profile.op_curves["optim.adam"]) == {"float32"}
+    assert len(profile.op_curves["aten.gelu.default"]["float32"].points) == 2
+    assert 0 < profile.view_s < 1e-3
 
 
 def test_the_shipped_reference_profile_is_a_full_four_process_gloo_profile():
