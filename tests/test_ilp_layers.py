@@ -4,12 +4,16 @@ differ are not tied, and tying gives the untied optimum on a model whose layers 
 same in it, in a program whose size does not grow with the depth."""
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 import autopar as ap
 from autopar.auto import placed_program, solve_placements
+from autopar.auto.ilp_completion import commit_choice
 from autopar.auto.layers import layer_of, repeated_layers
 from autopar.auto.tp_plan import tensor_parallel_plan_of
 from autopar.cost.profile import AlphaBeta, Profile
@@ -17,6 +21,8 @@ from autopar.ir import OpKind, Role
 from autopar.ir.attrs import NAME
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
+from autopar.passes.explain import planned_moves
+from autopar.passes.manager import PIPELINE, PassManager
 
 from .models_zoo import hf_gpt2
 from .parity import one_thread
@@ -209,3 +215,20 @@ def test_a_hugging_face_gpt2_is_solved_once_per_layer_and_reads_back_as_megatron
         ("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"),
         ("mlp.c_proj", "rowwise"))}, "")
     assert tied.params["transformer.h.0.attn.c_attn.weight"].placements[0].grouped
+
+
+def test_the_tied_choice_committed_as_completion_passes_the_verified_pipeline():
+    """Every op of every layer takes its tied strategy; reshard then inserts Megatron's two
+    all-reduces per layer forward and two backward, no more."""
+    program, ctx = _gpt_program(2)
+    choice = solve_placements(program, ctx.state.mesh, MACHINE)
+
+    def complete(program, ctx):
+        commit_choice(program, choice, ctx.state.mesh)
+        return program
+
+    start = next(i for i, p in enumerate(PIPELINE) if p.name == "completion")
+    passes = [replace(PIPELINE[start], run=complete), *PIPELINE[start + 1:]]
+    placed = PassManager(passes=passes, verify=True).run(program, ctx)
+    reduces = Counter(m.role for m in planned_moves(placed) if m.kind == "all_reduce")
+    assert (reduces[Role.FORWARD.value], reduces[Role.BACKWARD.value]) == (2 * 2, 2 * 2)
