@@ -3,7 +3,8 @@ so the placement ILP can solve them once (every identical layer takes the same s
 Alpa clusters layers).
 
 A layer instance is a child of a module list: the ops whose module path (a CALL's
-``op.module``; a parameter's, state's or input's name) is ``<container>.<i>.<rest>`` with
+``op.module``; a parameter's, buffer's or optimizer state's name; fed inputs are in no
+layer) is ``<container>.<i>.<rest>`` with
 ``i`` the first all-digit component (``blocks.3.attn.qkv``, Hugging Face's
 ``model.layers.3.mlp``, the optimizer state ``blocks.3.fc1.weight/exp_avg``), in whatever
 role (forward, backward, optimizer step). An op the capture left without a module (``""``:
@@ -70,7 +71,7 @@ def layer_of(path: str) -> tuple[str, int, str] | None:
 
 
 def _path(op: Op) -> str:
-    return op.attrs[NAME] if op.kind in (OpKind.INPUT, OpKind.STATE) else op.module
+    return op.attrs[NAME] if op.kind is OpKind.STATE else op.module
 
 
 def _instances(program: Program) -> tuple[dict[Instance, list[Op]], dict[Op, str]]:
@@ -79,7 +80,7 @@ def _instances(program: Program) -> tuple[dict[Instance, list[Op]], dict[Op, str
     rest: dict[Op, str] = {}
     members: dict[Instance, list[Op]] = defaultdict(list)
     for op in program.ops:
-        if op.kind is OpKind.OUTPUT:
+        if op.kind not in (OpKind.STATE, OpKind.CALL):
             continue
         found = layer_of(_path(op))
         if found is not None:
