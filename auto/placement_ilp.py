@@ -63,6 +63,10 @@ CHANGE_PENALTY_S = 1e-9
 # tied and untied solves stop at plans 53 ns apart in 3.79 ms); the relaxation is tight, so
 # a small gap costs little
 MIP_REL_GAP = 1e-7
+# HiGHS sees the objective in microseconds: its absolute gap (1e-6) and cost tolerances
+# (1e-7) in seconds would swallow the 1 ns change penalty and tell apart no two plans
+# within 1 us (on a small model: a 3.79 ms step's plans 53 ns apart came out either way)
+OBJECTIVE_UNITS = 1e6
 
 
 @dataclass
@@ -468,7 +472,7 @@ def solve_placements(program: Program, mesh: ProcessMesh, profile: Profile | Non
     n = len(builder.c)
     options = {"disp": False, "mip_rel_gap": mip_rel_gap} | (
         {"time_limit": time_limit_s} if time_limit_s else {})
-    result = milp(np.array(builder.c), constraints=constraints,
+    result = milp(np.array(builder.c) * OBJECTIVE_UNITS, constraints=constraints,
                   integrality=np.array(builder.binary), bounds=Bounds(0, 1), options=options)
     solve_s = time.perf_counter() - start
     if result.x is None:
