@@ -2,15 +2,19 @@
 against real gloo ranks, for every strategy in ``configs/`` at its own world size, on two
 GPT sizes.
 
-    .venv/bin/python bench/cost_model.py [--profile PATH] [--sizes 2x64 4x128] [--steps 8]
+    .venv/bin/python bench/cost_model.py [--profile PATH] [--sizes 2x64 4x128] [--steps 12]
+                                         [--rounds 3]
 
 Every config runs on as many ranks as its mesh has (``configs/dp_tp.yaml`` and
 ``configs/dp_pp.yaml`` on 4, the 2-rank configs on 2, ``serial.yaml`` on 1; ``3d.yaml``
 needs 8 and is left out): the script launches its own ranks (torchrun's environment on a
 free loopback port, one thread each), once per world size. For each config and size,
-rank 0 asks ``engine.predict_time(x, y, profile=...)`` before anything runs; then every
-rank trains warm-up steps and measured steps, each step started behind a barrier and timed
-as the slowest rank's (``Engine.train_step``). The measured figure is the median step;
+rank 0 asks ``engine.predict_time(x, y, profile=...)`` before anything runs. Then every
+rank trains, in ``--rounds`` rounds over all the world's configs (so that a burst of other
+load on the machine spoils part of each config's steps, not all steps of one): warm-up
+steps (3 in the first round, 1 later) and the round's share of the measured steps, each
+step started behind a barrier and timed as the slowest rank's (``Engine.train_step``).
+The measured figure is the median step over all rounds;
 under gradient merge (``dp_merge``, k steps) the steps alternate between k - 1 that only
 accumulate and one that applies, so both sides are the mean over whole cycles.
 
@@ -57,7 +61,9 @@ def _args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--vocab", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8, help="measured steps")
+    parser.add_argument("--steps", type=int, default=12, help="measured steps")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over all configs the measured steps are spread over")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--configs", nargs="*", default=None, help="names in configs/")
     parser.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
@@ -66,13 +72,17 @@ def _args(argv=None) -> argparse.Namespace:
 
 
 def config_worlds(names: list[str] | None) -> dict[str, int]:
-    """Every config in configs/ (or the named ones) with its world size: its mesh's size."""
+    """Every config in configs/ (or the named ones) with its world size: its mesh's size.
+    ``auto`` configs (no mesh: the planner picks one) are left out: their plan is whatever
+    the search finds, on the profile given, and the search takes a while."""
     out = {}
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         if names and path.stem not in names:
             continue
-        mesh = (yaml.safe_load(path.read_text()) or {}).get("mesh") or {}
-        out[path.stem] = math.prod(mesh.get("shape", [1]))
+        text = yaml.safe_load(path.read_text()) or {}
+        if text.get("auto") and not text.get("mesh"):
+            continue
+        out[path.stem] = math.prod((text.get("mesh") or {}).get("shape", [1]))
     return out
 
 
@@ -90,9 +100,8 @@ def _merge_steps(strategy: ap.Strategy) -> int:
     return strategy.gradient_merge.k_steps
 
 
-def run_config(args: argparse.Namespace, name: str, size: str, profile: Profile
-               ) -> dict | None:
-    """Predict (rank 0) and measure one config at one GPT size; rank 0 gets the row."""
+def build_config(args: argparse.Namespace, name: str, size: str, profile: Profile) -> dict:
+    """Build one config's engine at one GPT size and predict its step (rank 0)."""
     layers, width = (int(v) for v in size.split("x"))
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=4,
@@ -105,7 +114,7 @@ def run_config(args: argparse.Namespace, name: str, size: str, profile: Profile
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
                        strategy=strategy)
     k = _merge_steps(strategy)
-    predicted = None
+    predicted = predict_s = None
     if dist.get_rank() == 0:
         start = time.perf_counter()
         apply = engine.predict_time(x, y, profile=profile)
@@ -114,45 +123,64 @@ def run_config(args: argparse.Namespace, name: str, size: str, profile: Profile
             only = engine.planner.time(engine.planner.plan("train", x, y, True), profile)
             predicted = ((k - 1) * only.step_s + apply.step_s) / k
         predict_s = time.perf_counter() - start
-    steps = args.steps if k == 1 else max(1, args.steps // k) * k
-    warmup = args.warmup if k == 1 else max(1, math.ceil(args.warmup / k)) * k
+    return {"config": name, "size": size, "engine": engine, "x": x, "y": y, "k": k,
+            "predicted_s": predicted, "predict_s": predict_s, "times": []}
+
+
+def measure_round(args: argparse.Namespace, run: dict, first: bool) -> None:
+    """Warm-up steps (all of them in the first round, one cycle later) and this round's
+    share of the measured steps, each from a barrier; the slowest rank's times."""
+    k = run["k"]
+    per_round = max(1, math.ceil(args.steps / args.rounds))
+    steps = per_round if k == 1 else max(1, per_round // k) * k
+    warmup = (args.warmup if first else 1) if k == 1 else max(1, math.ceil(
+        (args.warmup if first else 1) / k)) * k
     times = []
     for i in range(warmup + steps):
         dist.barrier()
         begin = time.perf_counter()
-        engine.train_step(x, y)
+        run["engine"].train_step(run["x"], run["y"])
         if i >= warmup:
             times.append(time.perf_counter() - begin)
     worst = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    engine.close()
-    if dist.get_rank() != 0:
-        return None
-    measured = (statistics.median(worst.tolist()) if k == 1
-                else statistics.fmean(worst.tolist()))
-    return {"config": name, "size": size, "world": dist.get_world_size(),
-            "predicted_s": predicted, "measured_s": measured, "predict_s": predict_s,
-            "steps": [round(t, 6) for t in worst.tolist()]}
+    run["times"] += worst.tolist()
+
+
+def row(run: dict) -> dict:
+    """Rank 0's result of one config: the median step (gradient merge: the mean over whole
+    cycles) over every round."""
+    times = run["times"]
+    measured = statistics.median(times) if run["k"] == 1 else statistics.fmean(times)
+    return {"config": run["config"], "size": run["size"], "world": dist.get_world_size(),
+            "predicted_s": run["predicted_s"], "measured_s": measured,
+            "predict_s": run["predict_s"], "steps": [round(t, 6) for t in times]}
 
 
 def rank_main(args: argparse.Namespace) -> None:
     init()
     profile = load_profile(args.profile)
+    runs = [build_config(args, name, size, profile)
+            for name, world in config_worlds(args.configs).items() if world == args.world
+            for size in args.sizes]
+    # rounds over every config: a burst of other load on the machine spoils a part of each
+    # config's steps rather than all steps of one config
+    for i in range(args.rounds):
+        for run in runs:
+            measure_round(args, run, i == 0)
     rows = []
-    for name, world in config_worlds(args.configs).items():
-        if world != args.world:
-            continue
-        for size in args.sizes:
-            row = run_config(args, name, size, profile)
-            if row is not None:
-                rows.append(row)
-                print(f"  {name:<14} {size:>6} on {world}: predicted "
-                      f"{row['predicted_s'] * 1e3:8.2f} ms, measured "
-                      f"{row['measured_s'] * 1e3:8.2f} ms", flush=True)
+    for run in runs:
+        run["engine"].close()
+        if dist.get_rank() == 0:
+            rows.append(row(run))
+            r = rows[-1]
+            print(f"  {r['config']:<14} {r['size']:>6} on {r['world']}: predicted "
+                  f"{r['predicted_s'] * 1e3:8.2f} ms, measured "
+                  f"{r['measured_s'] * 1e3:8.2f} ms", flush=True)
     if dist.get_rank() == 0:
         with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
     finish()
 
 
