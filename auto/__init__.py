@@ -1,9 +1,13 @@
-"""Automatic placement: candidate strategies per op from the SPMD rules, and the integer
-program that picks one per op for a whole captured step (issue 16)."""
+"""Automatic parallelization (issue 16): candidate strategies per op from the SPMD rules, the
+integer program that picks one per op for a whole captured step (identical layers tied),
+and the planner that searches the parallel layouts and picks the strategy (``search``)."""
 from .apply import AutoPlacements, auto_placements, pin_placements, placed_program
-from .candidates import Candidate, op_candidates, start_candidates
+from .candidates import Candidate, fused_shards, op_candidates, start_candidates
+from .layers import LayerClass, RepeatedLayers, layer_of, repeated_layers
 from .placement_ilp import PlacementChoice, solve_placements
+from .search import AutoPlan, NoPlanFits, Problem, search
 
-__all__ = ["Candidate", "op_candidates", "start_candidates", "PlacementChoice",
+__all__ = ["Candidate", "op_candidates", "start_candidates", "fused_shards", "PlacementChoice",
            "solve_placements", "AutoPlacements", "auto_placements", "pin_placements",
-           "placed_program"]
+           "placed_program", "LayerClass", "RepeatedLayers", "layer_of", "repeated_layers",
+           "AutoPlan", "NoPlanFits", "Problem", "search"]
