@@ -54,10 +54,11 @@ def format_auto_plan(plan: "AutoPlan", chosen: bool = True, top: int | None = No
            "each planned whole (no repeated layers found)")
     lines.append(f"searched {searched} candidates in {plan.seconds:.1f} s ({how})")
     for degree, tp in sorted(plan.tensor_parallel.items()):
-        state = (f"plan {tp.plan}" + (f" ({tp.why})" if tp.why else "")
-                 if tp.plan is not None else f"left out: {tp.why}")
+        state = (f"plan {tp.plan}" if tp.plan is not None else f"left out: {tp.why}")
         lines.append(f"  tp{degree}: {state} ({tp.seconds:.1f} s"
                      + (f"; {tp.summary}" if tp.summary else "") + ")")
+        if tp.plan is not None and tp.why:
+            lines += [f"       {note}" for note in _distinct_notes(tp.why)]
     lines.append("")
     lines.append("predicted per step (ms; compute and comm: the slowest rank's), peak "
                  "memory per rank, seconds spent planning the candidate")
@@ -78,6 +79,21 @@ def format_auto_plan(plan: "AutoPlan", chosen: bool = True, top: int | None = No
         lines += ["", _why_chosen(plan), "", "strategy (--write-strategy FILE writes it):",
                   compact_yaml(plan.strategy).rstrip()]
     return "\n".join(lines)
+
+
+def _distinct_notes(why: str) -> list[str]:
+    """The plan's notes, one per module pattern (layer 1's repeats layer 0's)."""
+    seen, out = set(), []
+    for note in why.split("; "):
+        key = _layerless(note.split(":")[0])
+        if key not in seen:
+            seen.add(key)
+            out.append(note)
+    return out
+
+
+def _layerless(module: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in module.split("."))
 
 
 def _depth_text(plan: "AutoPlan") -> str:

@@ -33,7 +33,7 @@ from ..passes.pinning import pin
 from ..strategy import Strategy
 from .apply import placed_program
 from .evaluate import Estimate, PlanFn, evaluate
-from .placement_ilp import solve_placements
+from .placement_ilp import PlacementChoice, solve_placements
 from .report import format_auto_plan
 from .space import Constraints, Layout, base_layouts, layout_strategy, memory_variants
 from .tp_plan import nearest_tensor_parallel_plan
@@ -228,7 +228,14 @@ class _Search:
         elif plan is None:
             why = f"the placement ILP's tp{layout.tp} choice is not a plan: {why}"
         return TensorParallelChoice(layout.tp, plan, why, time.perf_counter() - start,
-                                    choice.summary())
+                                    _ilp_note(choice))
+
+
+def _ilp_note(choice: PlacementChoice) -> str:
+    """The ILP at a glance for the report (``choice.summary()`` has every figure)."""
+    tied = f", {choice.tied_ops} ops tied" if choice.tied_ops else ""
+    return (f"ILP {choice.variables} variables{tied}, solved in {choice.solve_s:.2f} s, "
+            f"{choice.status.split('(')[-1].rstrip(')').strip() or choice.status}")
 
 
 def _unannotated(params: dict[str, DistAttr], annotations: dict[str, DistAttr]
