@@ -178,7 +178,8 @@ class _Search:
         if layout.tp > 1:
             choice = self.tensor_parallel(layout)
             if choice.plan is None:
-                self.done[layout] = Estimate(layout, None, error=choice.why)
+                why = f"no tp{layout.tp} plan (see tp{layout.tp} above)"
+                self.done[layout] = Estimate(layout, None, error=why)
                 return True
             plan = choice.plan
         # no memory limit in the candidate: the planner would refuse one over it, and the
