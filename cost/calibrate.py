@@ -60,6 +60,7 @@ from ..runtime.codegen import generate
 from ..runtime.collectives import bind_step
 from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups, shutdown
 from . import op_probes
+from .pipeline_probe import mean_times, measure_pipeline
 from .predict import op_size
 from .profile import COLLECTIVE_KINDS, AlphaBeta, Curve, Profile
 
@@ -84,6 +85,9 @@ class Settings:
     half_op_sizes: int = 2
     slowdown_repeats: int = 6
     slowdown_window_s: float = 0.1
+    pipeline_bytes: tuple[int, ...] = (4096, 65536, 1048576)   # pipeline message sizes
+    pipeline_micro_batches: int = 8
+    pipeline_repeats: int = 5
 
     @classmethod
     def default(cls) -> Settings:
@@ -100,7 +104,8 @@ class Settings:
                    collective_bytes=(1024, 65536, 1048576), batch_s=0.004, repeats=3,
                    comm_repeats=3, overhead_ops=64, half_matmul_flops=(1e4, 1e6),
                    half_pointwise_bytes=(1024.0, 65536.0), op_sizes=2, half_op_sizes=1,
-                   slowdown_repeats=1, slowdown_window_s=0.02)
+                   slowdown_repeats=1, slowdown_window_s=0.02,
+                   pipeline_bytes=(4096, 65536), pipeline_micro_batches=2, pipeline_repeats=1)
 
 
 # ------------------------------------------------------------------------------- timing
@@ -499,7 +504,14 @@ def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None
     phases["slowdown"] = time.perf_counter()
     collectives = measure_collectives(settings, world) if world > 1 else {}
     phases["collectives"] = time.perf_counter()
-    mine = {"compute": compute, "collectives": collectives, "slowdown": slowdown}
+    pipeline = {}
+    if world > 1:
+        with torch.no_grad():
+            pipeline = measure_pipeline(settings.pipeline_bytes, settings.pipeline_micro_batches,
+                                        settings.pipeline_repeats, _lead())
+    phases["pipeline"] = time.perf_counter()
+    mine = {"compute": compute, "collectives": collectives, "slowdown": slowdown,
+            "pipeline": pipeline}
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -509,6 +521,7 @@ def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None
     names = list(phases)
     measured = {"compute": everyone[0]["compute"], "collectives": _median_comm(everyone),
                 "slowdown": _slowdown(everyone),
+                "pipeline": mean_times([p["pipeline"] for p in everyone]) if world > 1 else {},
                 "phases": {b: phases[b] - phases[a] for a, b in zip(names, names[1:])}}
     return _profile(settings, processes, measured), measured
 
@@ -553,7 +566,18 @@ def _profile(settings: Settings, processes: int, measured: dict) -> Profile:
         slowdown=measured["slowdown"],
         op_curves=_op_curves(compute), view_s=compute["view"][0],
         collectives={kind: {n: fit_alpha_beta(points) for n, points in by_n.items()}
-                     for kind, by_n in measured["collectives"].items()})
+                     for kind, by_n in measured["collectives"].items()},
+        **_pipeline_costs(measured.get("pipeline") or {}))
+
+
+def _pipeline_costs(pipeline: dict[str, float]) -> dict:
+    """The profile's pipeline runtime fields from the exchange's medians (none without
+    one: a single process has no messages)."""
+    sends = sorted((float(k.split(":")[1]), t) for k, t in pipeline.items()
+                   if k.startswith("send:") and t > 0)
+    if not sends:
+        return {}
+    return {"p2p_send": fit_alpha_beta(sends), "pipeline_job_s": pipeline["prefetch"]}
 
 
 def _op_curves(compute: dict[str, list[float]]) -> dict[str, dict[str, Curve]]:
@@ -615,6 +639,14 @@ def summary(profile: Profile, measured: dict, out: str) -> str:
             error = _fit_error(fit, measured["collectives"][kind][n])
             lines.append(f"  {kind:15s} {n} ranks: alpha {fit.alpha_s * 1e6:8.1f} us  "
                          f"1/beta {rate:6.2f} GB/s  R^2 {fit.r2:6.3f}  worst {error:4.0%}")
+    if profile.p2p_send is not None:
+        fit = profile.p2p_send
+        sends = ", ".join(f"{k.split(':')[1]} B {t * 1e6:.0f} us"
+                          for k, t in measured["pipeline"].items() if k.startswith("send:"))
+        lines.append(f"pipeline runtime (all processes exchanging): send call {sends} "
+                     f"(alpha {fit.alpha_s * 1e6:.1f} us, 1/beta "
+                     f"{1 / max(fit.beta_s_per_byte, 1e-30) / 1e9:.2f} GB/s); per job "
+                     f"{profile.pipeline_job_s * 1e6:.1f} us")
     lines.append("rank 0's time per phase: " + ", ".join(
         f"{name} {seconds:.1f} s" for name, seconds in measured.get("phases", {}).items()))
     lines.append(f"profile written to {out}")

@@ -22,8 +22,10 @@ queue), so the clock keeps, per mesh dim, when its queue frees up. *Exposed* com
 is the time the clock spends waiting on collectives; the rest is compute.
 
 Pipelines: each pp position's job durations (the slowest process of its stage mesh, which
-collectives keep in step) are played out with ``pipeline.timeline.play`` on the schedule's
-job order, with a cross-rank latency of the largest message's ``send_recv`` time. A rank's
+collectives keep in step) are played out on the schedule's job order with a cross-rank
+latency of the largest message's ``send_recv`` time, on cores the processes share
+(``cost.shared_timeline.play_shared``: a job runs faster while other ranks wait, as in
+the bubble). A rank's
 once-a-step ``pre_mb``/``pre`` jobs are added to its first schedule job (they run before
 it; on a rank whose first job waits for a message this counts them even when they would
 hide in the wait) and its ``post`` job after its last one.
@@ -39,9 +41,15 @@ Collectives are not scaled: they were measured with all the launch's processes r
 and over loopback gloo they are latency-bound. The planner asks about one machine, the
 one calibrated.
 
+The pipeline runtime's own work, as ``cost/pipeline_probe.py`` measured it with all the
+calibration's processes exchanging messages (so not scaled by ``contention``): every
+schedule job's send of a message costs the job ``Profile.p2p_send`` at the message's
+bytes, and every job the transport's prefetch after it, ``pipeline_job_s``. Both are
+counted as communication, not compute.
+
 What is not modelled: copies a ``reshape`` makes of a non-contiguous input (counted as a
-view), the random-state bookkeeping of dropout, and the Python work of the pipeline runtime
-between jobs (its store, posting messages), beyond the accumulations' adds.
+view), the random-state bookkeeping of dropout, the cost of a receive's own call, and the
+pipeline runtime's store between jobs beyond the accumulations' adds.
 """
 from __future__ import annotations
 
@@ -72,10 +80,10 @@ from ..lower.pipeline_jobs import JobId
 from ..pipeline.cost import FLOPS
 from ..pipeline.phases import Phase
 from ..pipeline.schedules import Job
-from ..pipeline.timeline import play
 from ..reshard.cost import reshard_bytes
 from ..reshard.steps import AllGather, AllReduce, ReduceScatter
 from .profile import Profile
+from .shared_timeline import play_shared
 
 __all__ = ["ProcessTime", "StepTime", "predict_step", "op_seconds", "comm_seconds", "contention",
            "MATMUL", "VIEWS", "KERNELS", "OPTIMIZERS", "format_step_time", "op_dtype",
@@ -340,6 +348,9 @@ def _walk(program: Program, comms: dict[int, Comm], profile: Profile,
             clock.wait(op)
             continue
         if messages_free and isinstance(spec, (Send, Recv)):
+            # the message's travel is the timeline's latency; posting a send is this job's
+            if isinstance(spec, Send) and profile.p2p_send is not None:
+                clock.now += profile.p2p_send.seconds(message_bytes(spec, op))
             continue
         cost = comm_seconds(spec, op, profile, mesh)
         clock.run(cost.local)
@@ -449,6 +460,7 @@ def _predict_pipeline(lowered: Lowered, profile: Profile, scale: float) -> StepT
             in_schedule = job.phase in (Phase.F, Phase.B, Phase.W)
             clock = _walk(jp.program, jp.comms, profile, lowered.mesh, in_schedule, scale)
             clock.run(_accumulate_seconds(jp.program, profile))
+            clock.now += profile.pipeline_job_s    # the runtime's work after every job
             clocks[process][job] = clock
             if in_schedule:
                 latency = max([latency] + [
@@ -473,17 +485,21 @@ def _predict_pipeline(lowered: Lowered, profile: Profile, scale: float) -> StepT
         extra = before(pp) if firsts.get(job) == pp else 0.0
         return duration[pp, JobId(Phase(job.kind), job.stage, job.micro_batch)] + extra
 
-    timeline = play(schedule.jobs, cost, latency)
+    ranks = len(schedule.jobs)
+    per_pp = [0] * ranks
+    for made in lowered.processes.values():
+        per_pp[made.pp] += 1
+    tail = [duration.get((pp, JobId(Phase.POST)), 0.0)
+            + (before(pp) if not schedule.jobs[pp] else 0.0) for pp in range(ranks)]
+    timeline = play_shared(schedule.jobs, cost, latency, per_pp,
+                           lambda n: contention(n, profile), tail)
     times = {}
     for process, jobs in clocks.items():
-        pp = lowered.processes[process].pp
-        last = schedule.jobs[pp][-1] if schedule.jobs[pp] else None
-        post = duration.get((pp, JobId(Phase.POST)), 0.0)
-        finish = (timeline.end[last] if last is not None else before(pp)) + post
+        finish = timeline.finish[lowered.processes[process].pp]
         compute = sum(c.compute for c in jobs.values())
         comm = sum(c.now - c.compute for c in jobs.values())
         times[process] = ProcessTime(compute, comm, sum(c.ops for c in jobs.values()), finish)
-    return StepTime(times, max(t.finish_s for t in times.values()), timeline.bubble(), scale)
+    return StepTime(times, max(t.finish_s for t in times.values()), timeline.bubble, scale)
 
 
 def format_step_time(step: StepTime) -> str:

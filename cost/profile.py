@@ -125,6 +125,11 @@ class Profile(BaseModel):
     gelu, layer norm, softmax, SDPA, AdamW per parameter...), over ``cost.predict.op_size``;
     ``view_s``: one view op (no data moves: aten's dispatch and the view's metadata).
     Format 3 added ``op_curves`` and ``view_s`` and measures the curves alone.
+    The pipeline runtime's own costs (``cost/pipeline_probe.py``, measured with all the
+    processes running): ``p2p_send``, a pipeline message's send call over its bytes, in the
+    job that posts it (its mean: the calls are heavy-tailed); ``pipeline_job_s``, the
+    runtime's work after every job (the transport's prefetch).
+    A profile without them (measured before) charges none of them.
     """
 
     version: int = PROFILE_VERSION
@@ -140,6 +145,8 @@ class Profile(BaseModel):
     slowdown: dict[int, float] = {}
     op_curves: dict[str, dict[str, Curve]] = {}
     view_s: float = 0.0
+    p2p_send: AlphaBeta | None = None
+    pipeline_job_s: float = 0.0
 
     @field_validator("version")
     @classmethod
