@@ -30,6 +30,9 @@ scales a plan's compute by it (``Profile.contention``).
   beta are a least-squares line through the median times over the bytes one rank sends
   (``reshard.cost.reshard_bytes``; broadcast and send/recv: the tensor's bytes), weighted
   by 1/time so small messages count as much as big ones.
+* the pipeline runtime: a small 1F1B exchange among all the processes through the runtime's
+  ``P2PTransport`` (``cost/pipeline_probe.py``): the mean send call over the message's
+  bytes and the prefetch after every job, as a pipelined step pays them.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ from ..reshard.cost import reshard_bytes
 from ..reshard.steps import AllGather, AllReduce, AllToAll, ReduceScatter
 from ..runtime.codegen import generate
 from ..runtime.collectives import bind_step
+from ..runtime.p2p import P2PTransport
 from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups, shutdown
 from . import op_probes
 from .pipeline_probe import mean_times, measure_pipeline
@@ -508,7 +512,7 @@ def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None
     if world > 1:
         with torch.no_grad():
             pipeline = measure_pipeline(settings.pipeline_bytes, settings.pipeline_micro_batches,
-                                        settings.pipeline_repeats, _lead())
+                                        settings.pipeline_repeats, _lead(), P2PTransport)
     phases["pipeline"] = time.perf_counter()
     mine = {"compute": compute, "collectives": collectives, "slowdown": slowdown,
             "pipeline": pipeline}

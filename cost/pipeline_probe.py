@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,6 @@ from ..lower.pipeline_jobs import JobId, Message
 from ..pipeline.phases import Phase
 from ..pipeline.schedules import BACKWARD, FORWARD, Job, build_schedule
 from ..pipeline.timeline import play
-from ..runtime.p2p import P2PTransport
 
 __all__ = ["measure_pipeline", "mean_times", "pipeline_messages"]
 
@@ -55,7 +54,7 @@ def pipeline_messages(world: int, micro_batches: int) -> tuple[list[list[Job]], 
     return jobs, out
 
 
-def _exchange(transport: P2PTransport, jobs: list[Job], messages: list[Message], me: int,
+def _exchange(transport: Any, jobs: list[Job], messages: list[Message], me: int,
               x: torch.Tensor, lead: Callable[[], object], times: dict[str, list[float]]
               ) -> None:
     """One step of the exchange on pp position ``me``, appending call times to ``times``."""
@@ -81,23 +80,26 @@ def _exchange(transport: P2PTransport, jobs: list[Job], messages: list[Message],
 
 
 def measure_pipeline(message_bytes: tuple[int, ...], micro_batches: int, repeats: int,
-                     lead: Callable[[], object]) -> dict[str, list[float]]:
+                     lead: Callable[[], object], transport: Callable[..., Any]
+                     ) -> dict[str, list[float]]:
     """This process's call times of the exchange (module docstring): ``send:<bytes>`` per
-    size, ``recv`` (arrived messages) and ``prefetch``; each a list of seconds."""
+    size and ``prefetch``; each a list of seconds. ``transport``: the runtime's
+    ``P2PTransport`` class (passed in by ``cost.calibrate``, the one module of ``cost``
+    allowed to import the runtime)."""
     world, me = dist.get_world_size(), dist.get_rank()
     schedule, messages = pipeline_messages(world, micro_batches)
     times: dict[str, list[float]] = {"prefetch": []}
     for nbytes in message_bytes:
         x = torch.randn(max(1, nbytes // 4))
         shapes = {m: (tuple(x.shape), x.dtype) for m in messages}
-        transport = P2PTransport(tuple(messages), me, {r: r for r in range(world)}, shapes,
-                                 torch.device("cpu"))
+        line = transport(tuple(messages), me, {r: r for r in range(world)}, shapes,
+                         torch.device("cpu"))
         times[f"send:{x.nbytes}"] = []
-        _exchange(transport, schedule[me], messages, me, x, lead,
+        _exchange(line, schedule[me], messages, me, x, lead,
                   {k: [] for k in times})                                      # warm-up
         for _ in range(repeats):
             dist.barrier()
-            _exchange(transport, schedule[me], messages, me, x, lead, times)
+            _exchange(line, schedule[me], messages, me, x, lead, times)
     return times
 
 
