@@ -3,6 +3,7 @@ the missing-profile error, the shipped reference profile, and one quick calibrat
 real gloo ranks."""
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -108,6 +109,15 @@ def test_profile_save_load_round_trip(tmp_path, monkeypatch):
     assert default_profile().machine == "other"
 
 
+def test_a_profile_without_the_pipeline_fields_loads_and_charges_nothing(tmp_path):
+    path = tmp_path / "p.json"
+    data = json.loads(Profile.reference().model_dump_json())
+    del data["p2p_send"], data["pipeline_job_s"]
+    path.write_text(json.dumps(data))
+    old = Profile.load(path)
+    assert old.p2p_send is None and old.pipeline_job_s == 0.0
+
+
 def test_missing_profile_tells_the_user_to_calibrate(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_PROFILE", str(tmp_path / "none.json"))
     with pytest.raises(ProfileNotFound, match=r"none\.json.*python -m autopar calibrate"):
@@ -178,6 +188,10 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path):
     assert set(profile.op_curves["optim.adam"]) == {"float32"}
     assert len(profile.op_curves["aten.gelu.default"]["float32"].points) == 2
     assert 0 < profile.view_s < 1e-3
+    # the pipeline exchange: a send call's line over the bytes, the prefetch after a job
+    assert profile.p2p_send is not None and 0 < profile.p2p_send.seconds(65536) < 0.1
+    assert 0 < profile.pipeline_job_s < 0.1
+    assert "pipeline runtime" in done.stdout
 
 
 def test_the_shipped_reference_profile_is_a_full_four_process_gloo_profile():
@@ -188,4 +202,5 @@ def test_the_shipped_reference_profile_is_a_full_four_process_gloo_profile():
         assert sorted(by_size) == ([2] if kind == "send_recv" else [2, 4]), kind
     assert reference.matmul.points[-1][0] >= 1e9 and reference.pointwise.points[-1][0] >= 6e7
     assert sorted(reference.slowdown) == [1, 2, 3, 4]
+    assert reference.p2p_send is not None and reference.pipeline_job_s > 0
     assert set(reference.matmul_dtypes) == {"float16", "bfloat16"}
