@@ -35,6 +35,7 @@ bench: $(VENV_STAMP)
 	$(PY) bench/amp.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/cost_model.py
+	$(PY) bench/auto_plan.py
 
 clean:
 	rm -rf .venv
