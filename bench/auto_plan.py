@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cost_model import sized_gpt  # noqa: E402
 from ranks import finish, in_rank, init, launch  # noqa: E402
 
 import autopar as ap  # noqa: E402
 from autopar.auto.report import compact_yaml, format_auto_plan  # noqa: E402
 from autopar.engine.auto_strategy import plan_auto  # noqa: E402
-from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
 
 WORLD, TARGET = 4, 0.10
@@ -80,21 +80,9 @@ def _args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _gpt(args: argparse.Namespace, size: str):
-    layers, width = (int(v) for v in size.split("x"))
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=4,
-                    n_embd=width)
-    model = GPT(cfg)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
-    return model, x, y
-
-
 def _auto(args: argparse.Namespace, size: str, limit_gb: float | None) -> tuple[str, str]:
     """(the chosen strategy's YAML, the planner's report) for ``size``."""
-    model, x, y = _gpt(args, size)
+    model, x, y = sized_gpt(args, size)
     fields = {"devices": WORLD, **({"profile": args.profile} if args.profile else {}),
               **({"memory_limit_gb": limit_gb} if limit_gb else {})}
     strategy = ap.Strategy.model_validate({"auto": fields})
@@ -104,7 +92,7 @@ def _auto(args: argparse.Namespace, size: str, limit_gb: float | None) -> tuple[
 
 
 def _dp4_peak_gb(args: argparse.Namespace, size: str) -> float:
-    model, x, y = _gpt(args, size)
+    model, x, y = sized_gpt(args, size)
     strategy = ap.Strategy.model_validate({**HAND["dp4"], "debug": {"simulate": True}})
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
                        strategy=strategy)
@@ -129,7 +117,7 @@ def plan_all(args: argparse.Namespace) -> dict:
 
 
 def _engine(args, size: str, strategy: ap.Strategy):
-    model, x, y = _gpt(args, size)
+    model, x, y = sized_gpt(args, size)
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
                        strategy=strategy)
     return engine, x, y

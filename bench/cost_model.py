@@ -100,8 +100,9 @@ def _merge_steps(strategy: ap.Strategy) -> int:
     return strategy.gradient_merge.k_steps
 
 
-def build_config(args: argparse.Namespace, name: str, size: str, profile: Profile) -> dict:
-    """Build one config's engine at one GPT size and predict its step (rank 0)."""
+def sized_gpt(args: argparse.Namespace, size: str) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    """The GPT of ``size`` ("layers x width", 4 heads) and its batch (``--batch`` x
+    ``--seq`` tokens of ``--vocab``), seeded: every rank and every run build the same."""
     layers, width = (int(v) for v in size.split("x"))
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=4,
@@ -110,6 +111,12 @@ def build_config(args: argparse.Namespace, name: str, size: str, profile: Profil
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
     y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+    return model, x, y
+
+
+def build_config(args: argparse.Namespace, name: str, size: str, profile: Profile) -> dict:
+    """Build one config's engine at one GPT size and predict its step (rank 0)."""
+    model, x, y = sized_gpt(args, size)
     strategy = ap.Strategy.from_yaml_str((ROOT / "configs" / f"{name}.yaml").read_text())
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
                        strategy=strategy)

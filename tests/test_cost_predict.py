@@ -129,15 +129,20 @@ def _loss(out, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _predict(config: str | None):
+def predict_tiny_gpt(strategy_text: str, profile: Profile = PROFILE):
+    """The predicted training step of a 2-layer GPT (width 32, batch 8 x 16) under the
+    strategy YAML ``strategy_text`` on ``profile`` (also used by the pipeline cost tests)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
-    text = (CONFIGS / f"{config}.yaml").read_text() if config else ""
     engine = Engine(model, _loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                    strategy=Strategy.from_yaml_str(text))
+                    strategy=Strategy.from_yaml_str(strategy_text))
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, 64, (8, 16), generator=g) for _ in range(2))
-    return engine.predict_time(x, y, profile=PROFILE)
+    return engine.predict_time(x, y, profile=profile)
+
+
+def _predict(config: str | None):
+    return predict_tiny_gpt((CONFIGS / f"{config}.yaml").read_text() if config else "")
 
 
 def test_data_parallel_halves_compute_and_tensor_parallel_communicates():

@@ -8,15 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
-from autopar import Engine, Strategy
 from autopar.cost import AlphaBeta, Curve, Profile
 from autopar.cost.shared_timeline import play_shared
-from autopar.models import GPT, GPTConfig
 from autopar.pipeline.schedules import Job, build_schedule
 from autopar.pipeline.timeline import play
+
+from .test_cost_predict import predict_tiny_gpt
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 JOB_S, SEND_S = 3e-4, 7e-4
@@ -65,20 +63,10 @@ def test_work_together_is_slower_until_a_rank_finishes():
     assert shared.finish == pytest.approx([2.0, 2.0 + 2.0 / 4])
 
 
-def _loss(out, y):
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-
-
 def _predict(micro_batches: int, profile: Profile):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
     text = (CONFIGS / "pp_1f1b.yaml").read_text().replace("micro_batches: 4",
                                                           f"micro_batches: {micro_batches}")
-    engine = Engine(model, _loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                    strategy=Strategy.from_yaml_str(text))
-    g = torch.Generator().manual_seed(1)
-    x, y = (torch.randint(0, 64, (8, 16), generator=g) for _ in range(2))
-    return engine.predict_time(x, y, profile=profile)
+    return predict_tiny_gpt(text, profile)
 
 
 def test_per_job_and_per_send_charges_grow_linearly_with_micro_batches():
