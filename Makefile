@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench golden clean
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -20,6 +20,10 @@ test: $(VENV_STAMP)
 	.venv/bin/lint-imports
 	.venv/bin/ruff check .
 	$(PY) -m pytest tests
+
+# after a meant change to a pass, lowering or the printer: rewrite tests/golden/ (read the diff)
+golden: $(VENV_STAMP)
+	AUTOPAR_UPDATE_GOLDEN=1 $(PY) -m pytest tests/test_golden_dumps.py
 
 bench: $(VENV_STAMP)
 	$(PY) bench/serial.py
