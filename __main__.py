@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                           args.explain, args.locate_divergence, _auto_section(parser, args),
                           args.write_strategy))
     elif args.command == "export":
-        from .checkpoint.export import consolidate
+        from .checkpoint.consolidate import consolidate
         print(consolidate(args.checkpoint, args.out))
     elif args.command == "calibrate":
         run_calibrate(args)

@@ -14,15 +14,16 @@ from typing import Any, Callable
 
 import torch
 
+from ..capture.step import capture
 from ..cost.profile import Profile
 from ..ir import OpKind, Program
 from ..ir.attrs import NAME
-from ..ir.capture import capture
 from ..ir.dist import DistAttr
 from ..ir.reason import Reason
-from ..passes.context import PassContext, PlanInputs
-from ..passes.manager import PIPELINE, PassManager
-from ..passes.pinning import pin
+from ..passes import PIPELINE
+from ..planning.context import PassContext, PlanInputs
+from ..planning.manager import PassManager
+from ..planning.pinning import pin
 from ..strategy import Strategy
 from .placement_ilp import PlacementChoice, solve_placements
 from .tp_plan import tensor_parallel_plan_of

@@ -36,10 +36,10 @@ from ..ir import Op, OpKind, Program, StateKind, Value
 from ..ir.attrs import NAME
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Placement, ProcessMesh, Replicate, Shard
-from ..passes.pinning import AnnotationError
 from ..passes.tensor_parallel_plan import style_placement
+from ..planning.pinning import AnnotationError
 from ..spmd import lookup
-from ..spmd.registry import tensor_inputs
+from ..spmd.rule_registry import tensor_inputs
 
 __all__ = ["Candidate", "placements_of", "op_candidates", "start_candidates", "fused_shards"]
 

@@ -1,6 +1,6 @@
 """One candidate strategy's predicted step time and memory: planned (capture, passes,
 lowering of every rank) exactly as the engine plans it, then ``cost.predict`` and the
-plan-time memory estimate (``lower.memory``). The engine supplies that planning as a
+plan-time memory estimate (``lower.memory_estimate``). The engine supplies that planning as a
 ``PlanFn`` (the planner sits above this package).
 
 Repeated layers are planned once, in effect: a model with a repeated stack of ``L`` layers

@@ -15,10 +15,10 @@ from ..ir import OpKind, Program
 from ..ir.attrs import NAME
 from ..ir.dist import ProcessMesh
 from ..ir.reason import Reason
+from ..passes import PIPELINE
 from ..passes.completion import place_outputs
-from ..passes.context import PassContext
-from ..passes.manager import PIPELINE
-from ..spmd.registry import tensor_inputs
+from ..planning.context import PassContext
+from ..spmd.rule_registry import tensor_inputs
 from .placement_ilp import PlacementChoice, solve_placements
 
 __all__ = ["ilp_completion", "commit_choice", "AUTO_PIPELINE"]

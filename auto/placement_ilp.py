@@ -17,8 +17,8 @@ by them shares its ``e`` (its costs added up), so a 24-layer model's program is 
 one-layer model's.
 
 Objective, in seconds: communication (each reshard step's collective by the profile's alpha-
-beta at the bytes ``reshard.cost`` counts; local slices by the pointwise curve) + compute
-(the op's FLOPs, ``pipeline.cost``, divided by the ranks that share its output, on the
+beta at the bytes ``reshard.traffic`` counts; local slices by the pointwise curve) + compute
+(the op's FLOPs, ``pipeline.flops``, divided by the ranks that share its output, on the
 profile's matmul curve for matrix products and attention, bytes on the pointwise curve
 otherwise) + a tiny penalty per change of placement (ties go to moving nothing).
 
@@ -49,9 +49,9 @@ from ..ir import Op, OpKind, Program, Value
 from ..ir.attrs import NAME, STATE, StateKind
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Partial, ProcessMesh, Shard
-from ..pipeline.cost import FLOPS, op_flops
-from ..reshard.planner import plan_reshard
-from ..spmd.registry import tensor_inputs
+from ..pipeline.flops import FLOPS, op_flops
+from ..reshard.paths import plan_reshard
+from ..spmd.rule_registry import tensor_inputs
 from .candidates import Candidate, fused_shards, op_candidates, start_candidates
 from .layers import RepeatedLayers, repeated_layers
 

@@ -29,7 +29,7 @@ from ..cost.profile import Profile
 from ..ir import OpKind, Program
 from ..ir.dist import DistAttr, ProcessMesh
 from ..ir.reason import Reason
-from ..passes.pinning import pin
+from ..planning.pinning import pin
 from ..strategy import Strategy
 from .apply import placed_program
 from .evaluate import Estimate, PlanFn, evaluate

@@ -14,7 +14,7 @@ pp2 x dp2 and pp4 under 1F1B with 4 micro-batches), the auto plan and the memory
 auto plan; after warm-up steps they are measured in interleaved rounds. Each step starts
 behind a barrier and counts as its slowest rank's; the figure is the median over all
 rounds' steps. The memory-limited plan's peak is the largest over the ranks of what a step
-allocates (``runtime.memory.AllocationMeter``) plus the state the rank holds. Printed: the
+allocates (``runtime.memory_meter.AllocationMeter``) plus the state the rank holds. Printed: the
 planner's report, the table, and the target checks (auto within 10% of the best hand
 layout; the limited plan's measured peak within the limit).
 """
@@ -138,7 +138,7 @@ def _steps(engine, x, y, n: int) -> list[float]:
 
 def _peak(engine, x, y) -> float:
     """The largest over the ranks of what a step allocates plus the state each holds."""
-    from autopar.runtime.memory import AllocationMeter
+    from autopar.runtime.memory_meter import AllocationMeter
     with AllocationMeter([*engine.runtime.state.tensors.values(), x, y]) as allocated:
         engine.train_step(x, y)
     peak = torch.tensor([float(allocated.peak)], dtype=torch.float64)

@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per rank, on real gloo processes: autopar's plan-time
 estimate (``engine.cost``) next to what each process of the launch holds over a training
-step, counted by the runtime (``runtime.memory.RankMeter``).
+step, counted by the runtime (``runtime.memory_meter.RankMeter``).
 
     .venv/bin/python bench/memory_estimate.py [--layers 4] [--width 128] [--no-four]
 
@@ -42,7 +42,7 @@ from ranks import ROOT, finish, in_rank, init, launch  # noqa: E402
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from autopar.runtime.memory import AllocationMeter, RankMeter  # noqa: E402
+from autopar.runtime.memory_meter import AllocationMeter, RankMeter  # noqa: E402
 
 ZERO1, ZERO2, ZERO3 = (f"sharding: {{stage: {s}, axis: dp}}\n" for s in (1, 2, 3))
 CONFIGS = {

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from autopar.runtime.launch import free_port, rank_env, wait_ranks
+from autopar.runtime.spawn import free_port, rank_env, wait_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 

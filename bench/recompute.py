@@ -5,7 +5,7 @@ without ``torch.utils.checkpoint`` on the same blocks.
     .venv/bin/python bench/recompute.py [--layers 8] [--width 128] [--batch 8] [--seq 128]
                                         [--steps 20]
 
-Memory (one device, simulated op by op under ``runtime.memory.MemoryMeter``): the measured
+Memory (one device, simulated op by op under ``runtime.memory_meter.MemoryMeter``): the measured
 peak of live bytes other than the state (parameters, AdamW state): activations and the
 gradients in flight at the peak; and the plan's own estimate (``engine.cost``,
 ``activations``). Target: full recompute holds <= 0.4x of the activations without.
@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 import autopar as ap
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.runtime.memory import meter_step
+from autopar.runtime.memory_meter import meter_step
 
 RECOMPUTE = "recompute: {enable: true, modules: ['blocks.*'], policy: full}\n"
 

@@ -9,7 +9,7 @@ configuration (serial; dp2, dp4 with ``sharding: {stage: s, axis: dp}``, stage 0
 ``sharding`` section) the engine plans a training step and ``engine.cost(x, y)`` gives
 each rank's predicted parameters, gradients and optimizer state (and peak); then one step
 trains (the optimizer state exists from then on) and a second runs under
-``runtime.memory.MemoryMeter``, which counts the state pieces each simulated process really
+``runtime.memory_meter.MemoryMeter``, which counts the state pieces each simulated process really
 holds (by kind), the gradient tensors its update ops read, and its peak of live bytes.
 Rank 0's figures are printed (the largest rank's where the ranks differ), in MiB.
 
@@ -27,7 +27,7 @@ import torch
 import autopar as ap
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.runtime.memory import meter_step
+from autopar.runtime.memory_meter import meter_step
 
 STAGES = (0, 1, 2, 3)
 KINDS = ("params", "grads", "optimizer_state")

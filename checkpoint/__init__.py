@@ -2,7 +2,7 @@
 boxes of the state it holds (``layout``), DCP planners that write and read those boxes
 (``planners``), and the directory lifecycle: a checkpoint appears only once complete, older
 ones pruned, metadata read without arbitrary unpickling (``store``)."""
-from .layout import Box, checkpoint_key, piece_boxes, writes_piece
+from .boxes import Box, checkpoint_key, piece_boxes, writes_piece
 from .store import CheckpointDir, latest_checkpoint
 
 __all__ = ["Box", "checkpoint_key", "piece_boxes", "writes_piece", "CheckpointDir",

@@ -28,7 +28,7 @@ scales a plan's compute by it (``Profile.contention``).
   all-reduce: 0.5 ms timed alone, back to back or behind a barrier; 1.2 ms timed right
   after compute; 3.4 ms added to a compute loop: waking, skew, gloo's threads). alpha and
   beta are a least-squares line through the median times over the bytes one rank sends
-  (``reshard.cost.reshard_bytes``; broadcast and send/recv: the tensor's bytes), weighted
+  (``reshard.traffic.reshard_bytes``; broadcast and send/recv: the tensor's bytes), weighted
   by 1/time so small messages count as much as big ones.
 * the pipeline runtime: a small 1F1B exchange among all the processes through the runtime's
   ``P2PTransport`` (``cost/pipeline_probe.py``): the mean send call over the message's
@@ -57,8 +57,8 @@ from ..ir.attrs import NAME, SLOTS, STATE
 from ..ir.dist import Partial, ProcessMesh, Replicate, Shard
 from ..ir.ops import resolve
 from ..lower.executable import StepComm
-from ..reshard.cost import reshard_bytes
 from ..reshard.steps import AllGather, AllReduce, AllToAll, ReduceScatter
+from ..reshard.traffic import reshard_bytes
 from ..runtime.codegen import generate
 from ..runtime.collectives import bind_step
 from ..runtime.p2p import P2PTransport

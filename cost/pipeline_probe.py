@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..lower.pipeline_jobs import JobId, Message
+from ..pipeline.jobs import JobId, Message
 from ..pipeline.phases import Phase
 from ..pipeline.schedules import BACKWARD, FORWARD, Job, build_schedule
 from ..pipeline.timeline import play

@@ -10,7 +10,7 @@ Every process's local program is walked once, in program order, with a clock:
   ``op_overhead_s``, the executor's own cost of running an op — every CALL and COMM op of
   the program is one;
 * a collective costs the profile's alpha-beta fit of its kind and group size at the bytes a
-  rank sends (``reshard.cost.reshard_bytes``' ring formulas, on the padded pieces the
+  rank sends (``reshard.traffic.reshard_bytes``' ring formulas, on the padded pieces the
   runtime moves).
 
 Overlap, as ``runtime.collectives`` runs them: a plain reshard step (``comm.all_reduce``,
@@ -24,7 +24,7 @@ is the time the clock spends waiting on collectives; the rest is compute.
 Pipelines: each pp position's job durations (the slowest process of its stage mesh, which
 collectives keep in step) are played out on the schedule's job order with a cross-rank
 latency of the largest message's ``send_recv`` time, on cores the processes share
-(``cost.shared_timeline.play_shared``: a job runs faster while other ranks wait, as in
+(``pipeline.timeline.play`` with ``CoreSharing``: a job runs faster while other ranks wait, as in
 the bubble). A rank's
 once-a-step ``pre_mb``/``pre`` jobs are added to its first schedule job (they run before
 it; on a rank whose first job waits for a message this counts them even when they would
@@ -76,14 +76,14 @@ from ..lower.executable import (
     Send,
     StepComm,
 )
-from ..lower.pipeline_jobs import JobId
-from ..pipeline.cost import FLOPS
+from ..pipeline.flops import FLOPS
+from ..pipeline.jobs import JobId
 from ..pipeline.phases import Phase
 from ..pipeline.schedules import Job
-from ..reshard.cost import reshard_bytes
+from ..pipeline.timeline import CoreSharing, play
 from ..reshard.steps import AllGather, AllReduce, ReduceScatter
+from ..reshard.traffic import reshard_bytes
 from .profile import Profile
-from .shared_timeline import play_shared
 
 __all__ = ["ProcessTime", "StepTime", "predict_step", "op_seconds", "comm_seconds", "contention",
            "MATMUL", "VIEWS", "KERNELS", "OPTIMIZERS", "format_step_time", "op_dtype",
@@ -107,7 +107,7 @@ def _matmul(op: Op) -> float:
     return 2.0 * batch * a[-2] * a[-1] * b[-1]
 
 
-# FLOP rules of matmul-class ops: pipeline/cost.py's (mm, addmm, bmm, baddbmm, SDPA and its
+# FLOP rules of matmul-class ops: pipeline/flops.py's (mm, addmm, bmm, baddbmm, SDPA and its
 # backward) and the ones it lacks. Everything here is timed on the profile's matmul curve.
 MATMUL: dict[str, Callable[[Op], float]] = {
     **FLOPS,
@@ -491,15 +491,16 @@ def _predict_pipeline(lowered: Lowered, profile: Profile, scale: float) -> StepT
         per_pp[made.pp] += 1
     tail = [duration.get((pp, JobId(Phase.POST)), 0.0)
             + (before(pp) if not schedule.jobs[pp] else 0.0) for pp in range(ranks)]
-    timeline = play_shared(schedule.jobs, cost, latency, per_pp,
-                           lambda n: contention(n, profile), tail)
+    sharing = CoreSharing(tuple(per_pp), lambda n: contention(n, profile))
+    timeline = play(schedule.jobs, cost, latency, sharing, tail)
     times = {}
     for process, jobs in clocks.items():
         finish = timeline.finish[lowered.processes[process].pp]
         compute = sum(c.compute for c in jobs.values())
         comm = sum(c.now - c.compute for c in jobs.values())
         times[process] = ProcessTime(compute, comm, sum(c.ops for c in jobs.values()), finish)
-    return StepTime(times, max(t.finish_s for t in times.values()), timeline.bubble, scale)
+    return StepTime(times, max(t.finish_s for t in times.values()), timeline.bubble(),
+                    scale)
 
 
 def format_step_time(step: StepTime) -> str:

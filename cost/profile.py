@@ -11,7 +11,7 @@ itself as a tight loop of direct calls measures it (kernel + aten dispatch), and
 ``op_overhead_s`` is what autopar's executor adds on top per op (generated-code Python, the
 kernel lookup, freeing); so an op costs ``curve.seconds(size) + op_overhead_s``.
 A collective costs ``AlphaBeta.seconds(bytes one rank sends)`` with the byte counts of
-``reshard/cost.py``'s ring formulas.
+``reshard/traffic.py``'s ring formulas.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class AlphaBeta(BaseModel):
     """A collective's time as latency plus bytes over bandwidth, fitted by least squares."""
 
     alpha_s: float               # latency per call
-    beta_s_per_byte: float       # per byte one rank sends (reshard/cost.py's byte counts)
+    beta_s_per_byte: float       # per byte one rank sends (reshard/traffic.py's byte counts)
     r2: float | None = None      # fit quality of the measured points, for the summary
 
     def seconds(self, nbytes: float) -> float:

@@ -16,7 +16,7 @@ from ..annotations import param_annotation
 from ..auto.evaluate import Measured
 from ..auto.search import AutoPlan, Problem, search
 from ..cost.profile import Profile, ProfileNotFound, default_profile, default_profile_path
-from ..passes.parallel_layout import ParallelLayout
+from ..planning.parallel_layout import ParallelLayout
 from ..strategy import Strategy
 from .data import batch_size_of
 from .planner import Planner

@@ -3,7 +3,7 @@
 What a checkpoint holds:
 
 * every parameter, persistent buffer and optimizer state value (and the loss scaler's
-  state), each process writing only the boxes of the pieces it holds (``checkpoint.layout``)
+  state), each process writing only the boxes of the pieces it holds (``checkpoint.boxes``)
   under the value's global shape, so any strategy can read it back;
 * ``autopar.trainer``: JSON with what exact resume needs beyond tensors (optimizer steps,
   batches trained, the data position, the LR scheduler's and the param groups' state) and
@@ -32,12 +32,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checkpoint.layout import MODEL, OPTIM, Box, checkpoint_key, piece_boxes, writes_piece
-from ..checkpoint.planners import BoxLoadPlanner, BoxSavePlanner, Chunk
+from ..checkpoint.boxes import MODEL, OPTIM, Box, checkpoint_key, piece_boxes, writes_piece
+from ..checkpoint.dcp_planners import BoxLoadPlanner, BoxSavePlanner, Chunk
 from ..checkpoint.store import CheckpointDir, SafeReader, is_checkpoint
 from ..lower.executable import PipelineProcess, StatePiece
-from ..passes.lower_optimizer import rule_for
 from ..passes.merge_gradients import accumulated_param
+from ..passes.optimizer_updates import rule_for
 from ..runtime.runtimes import DistributedRuntime
 
 if TYPE_CHECKING:

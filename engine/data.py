@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..ir.capture import batch_paths, flatten_batch
+from ..capture.step import batch_paths, flatten_batch
 from ..passes.shard_batch import batch_dim_of
 
 

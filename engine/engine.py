@@ -20,16 +20,17 @@ from torch.utils import _pytree as pytree
 
 from ..auto.report import format_auto_plan
 from ..auto.search import AutoPlan
+from ..capture.step import StepSpec, flatten_batch
 from ..checkpoint.store import latest_checkpoint
 from ..cost.predict import StepTime
 from ..cost.profile import Profile, default_profile
 from ..ir import Program, Slot
-from ..ir.capture import StepSpec, flatten_batch
 from ..lower.lowering import lower_program
-from ..passes.explain import explain_value, summarize
-from ..passes.parallel_layout import ParallelLayout
+from ..passes import pass_manager
 from ..passes.scale_loss import FOUND_INF, SCALE_USED, scaler_state
 from ..pipeline.timeline import chrome_trace
+from ..planning.explain import explain_value, summarize
+from ..planning.parallel_layout import ParallelLayout
 from ..runtime.divergence import Divergence, locate_divergence
 from ..runtime.runtimes import DistributedRuntime, LocalRuntime
 from ..strategy import Strategy
@@ -42,11 +43,9 @@ from .model_state import ModelState
 from .offline import finish_offline_plan
 from .planner import PlannedStep, Planner, StepCost
 
-# Strategy sections this version can plan (completion places every value); any other
-# enabled section is refused up front.
-PLANNED_SECTIONS: set[str] = {"mesh", "data_parallel", "tensor_parallel", "pipeline",
-                              "expert_parallel", "sharding", "recompute",
-                              "gradient_merge", "amp", "auto"}
+# Sections the engine honours itself, besides those the passes implement
+# (``PassManager.sections``): ``auto`` is settled on the first batch, before planning.
+ENGINE_SECTIONS: frozenset[str] = frozenset({"auto"})
 
 Metric = Callable[[Any, Any], float]
 
@@ -77,7 +76,7 @@ class Engine:
             strategy = with_auto(strategy or Strategy(), offline.auto,
                                  keep_layout=offline.strategy is not None)
         self.strategy = strategy if strategy is not None else Strategy()
-        self.strategy.check_supported(PLANNED_SECTIONS)
+        self.strategy.check_supported(pass_manager().sections | ENGINE_SECTIONS)
         # ``auto``: the planner picks the strategy on the first batch (``_settle_auto``)
         self.auto_plan: AutoPlan | None = None
         self._check_auto_devices()

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from ..lower.executable import StatePiece
-from ..passes.lower_optimizer import initial_state
 from ..passes.merge_gradients import accumulated_param
-from ..runtime.state import cut_piece
+from ..passes.optimizer_updates import initial_state
+from ..runtime.rank_state import cut_piece
 from .meta_init import InitFn, MetaInit, is_deferred_model
 
 __all__ = ["ModelState"]

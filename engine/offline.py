@@ -23,7 +23,7 @@ from typing import NoReturn
 from ..auto.report import compact_yaml, format_auto_plan
 from ..cost.predict import format_step_time
 from ..cost.profile import Profile, ProfileNotFound, default_profile, default_profile_path
-from ..lower.memory import format_estimates
+from ..lower.memory_estimate import format_estimates
 from ..strategy import DUMP_DIR_ENV
 from .launch import (
     PLAN_AUTO_ENV,

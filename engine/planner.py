@@ -16,18 +16,23 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..annotations import param_annotation
+from ..capture.mixed_precision import Precision
+from ..capture.step import StepSpec, capture
 from ..cost.predict import StepTime, predict_step
 from ..cost.profile import Profile
 from ..ir import Program, StateKind
 from ..ir.attrs import NAME
-from ..ir.capture import StepSpec, capture
-from ..ir.mixed_precision import Precision
 from ..lower.executable import Lowered
 from ..lower.lowering import Dump, lower_program
-from ..lower.memory import MemoryEstimate, check_memory_limit, estimate_memory, format_estimates
-from ..passes.context import PassContext, PlanInputs, PlanState
-from ..passes.manager import PassManager
-from ..passes.parallel_layout import ParallelLayout
+from ..lower.memory_estimate import (
+    MemoryEstimate,
+    check_memory_limit,
+    estimate_memory,
+    format_estimates,
+)
+from ..passes import pass_manager
+from ..planning.context import PassContext, PlanInputs, PlanState
+from ..planning.parallel_layout import ParallelLayout
 from ..strategy import Strategy
 from .data import batch_size_of
 
@@ -115,7 +120,7 @@ class Planner:
             self.strategy, mode, self.optimizer, self.param_names, self.layout.mesh,
             self.layout.pipeline, self._micro_batches(mode, inputs), self._annotations(),
             dict(self.kept), rank=self.rank, accumulate_only=accumulate_only))
-        manager = PassManager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
+        manager = pass_manager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
         program = manager.run(captured.program, ctx)
         for op in program.states(StateKind.PARAM):
             if op.result.dist is not None:

@@ -4,7 +4,7 @@ An attribute key is an ``Attr``: a name, the type its values must have, and how 
 it. Keys are objects, not strings (``op.attrs[STAGE]``), declared once next to the type they
 carry: the IR's own below, the reshard steps a comm op runs in ``reshard/comm.py``, a
 pipeline op's stage and homes in ``pipeline/phases.py``, a pipeline message in
-``lower/pipeline_jobs.py``. The verifier checks every attribute of every op against its key,
+``pipeline/jobs.py``. The verifier checks every attribute of every op against its key,
 so a pass cannot hand a later one an untyped value.
 
 The values some of them carry are declared here too: ``StateKind`` and ``Slot``.

@@ -1,11 +1,12 @@
 """Lowering: from the planned global program (the passes' result) to what each process runs.
 
     lowering       lower_program(): every process's executable plan, verified and dumped
+    memory_estimate  what each lowered process holds, per category, and its peak
     partition      a rank's local program (local shapes, local calls): made here only
     comms          what each comm op runs on a process; the way from a piece to the whole
-    pipeline_jobs  every pipeline rank's jobs and the messages between ranks
-    job_programs   one pipeline job as a program, with its receives, sends and carries
+    job_programs   one pipeline job as a program (the jobs: ``pipeline.jobs``), with its
+                   receives, sends and carries
     executable     the plain data the runtime consumes (RankProgram, PipelineProcess, ...)
 
-The runtime imports only ``executable`` and ``pipeline_jobs`` (types): it never plans.
+The runtime imports only ``executable`` and ``pipeline.jobs`` (types): it never plans.
 """

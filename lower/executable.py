@@ -22,10 +22,10 @@ import torch
 
 from ..ir import Op, Program, Slot
 from ..ir.dist import DistAttr, ProcessMesh
+from ..pipeline.jobs import JobId, Message, PipelineJobs, RankJobs
 from ..pipeline.layout import PipelineLayout
-from ..pipeline.timeline import PipelineSchedule
+from ..pipeline.schedules import PipelineSchedule
 from ..reshard.steps import Step
-from .pipeline_jobs import JobId, Message, PipelineJobs, RankJobs
 
 __all__ = ["StepComm", "BucketStart", "BucketWait", "GatherStart", "GatherWait", "ScatterStart",
            "ScatterWait", "Send", "Recv", "Comm", "StatePiece", "ResultLayout", "RankProgram",

@@ -19,12 +19,12 @@ from typing import Sequence
 from ..ir import Op, OpKind, Program, Role, Slot, Value, verify
 from ..ir.attrs import COMM_TEXT, LOCAL_NOTE, NAME, SLOTS, Attr
 from ..ir.dist import micro_batch_dim
-from ..ir.kernels.rng import RNG_STATE
+from ..ir.kernels.generator_state import RNG_STATE
 from ..ir.ops import draws_random
+from ..pipeline.jobs import MESSAGE, JobId, PipelineJobs, RankJobs
 from ..pipeline.phases import Phase
 from ..reshard.comm import RESHARD_STEP
 from ..reshard.steps import MakePartial, Slice
-from .pipeline_jobs import MESSAGE, JobId, PipelineJobs, RankJobs
 
 GLOBAL_OP: Attr[Op] = Attr("global_op", Op, "a job's comm op: the global op it was cut from")
 
@@ -143,7 +143,7 @@ class _JobBuilder:
                          "over micro-batches runs between jobs, not in one")
 
     def _restore_rng(self, global_op: Op) -> None:
-        """Set the generator to the state eager has at this random op (``runtime.rng``); a
+        """Set the generator to the state eager has at this random op (``runtime.seeding``); a
         recomputed one's (passes/recompute.py) is its original's, so it redraws the same."""
         key = self.plan.names[(global_op.recomputes or global_op).outputs[0]]
         state = self.out.add(Op(OpKind.INPUT, "input", outputs=[Value(RNG_STATE)],

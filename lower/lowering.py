@@ -5,7 +5,7 @@
 * no mesh (serial): the program itself, whole state;
 * a mesh: each process's partition (``partition``: local shapes, local calls), what each of
   its comm ops runs (``comms``), its pieces of the batch and of the state;
-* a pipeline: every pipeline rank's jobs and messages (``pipeline_jobs``), and for each
+* a pipeline: every pipeline rank's jobs and messages (``pipeline.jobs``), and for each
   process its jobs as programs (``job_programs``, cut from its partition at each
   micro-batch), their comm ops, its messages and peers, its micro-batches' pieces of the
   batch, the random states eager has at each random op, and the state its stages hold.
@@ -26,9 +26,10 @@ from ..ir.attrs import NAME
 from ..ir.dist import ProcessMesh, local_slices
 from ..ir.ops import draws_random
 from ..ir.printer import value_names
+from ..pipeline.jobs import MESSAGE, PipelineJobs, plan_jobs
 from ..pipeline.layout import PipelineLayout
 from ..pipeline.phases import homes_of
-from ..pipeline.timeline import PipelineSchedule
+from ..pipeline.schedules import PipelineSchedule
 from .comms import comm_spec, state_piece
 from .executable import (
     Comm,
@@ -42,7 +43,6 @@ from .executable import (
 )
 from .job_programs import GLOBAL_OP, job_program, local_keys, random_ops
 from .partition import partition
-from .pipeline_jobs import MESSAGE, PipelineJobs, plan_pipeline
 
 __all__ = ["Dump", "lower_program", "LoweringError"]
 
@@ -124,7 +124,7 @@ def _lower_pipeline(lowered: Lowered, processes: Iterable[int] | None, dump: Dum
     if lowered.schedule is None:
         raise LoweringError("a pipelined program needs its schedule (the schedule_pipeline "
                             "pass) to be lowered")
-    jobs = plan_pipeline(program, layout, lowered.schedule)
+    jobs = plan_jobs(program, layout, lowered.schedule)
     names = value_names(program)
     lowered.jobs = jobs
     lowered.random_ops = tuple((f"rng/{names[op.outputs[0]]}", op) for op in random_ops(program))

@@ -31,9 +31,9 @@ from ..ir.dist import micro_batch_dim
 from ..ir.printer import value_names
 from ..pipeline.phases import BOUNDARY, HOMES, STAGE, Home, Homes, Phase
 from ..pipeline.schedules import splits_backward
+from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_TARGET, RESHARD_STEP
 from ..reshard.steps import AllGather, AllReduce, MakePartial, Slice
-from .context import PassContext
 
 
 class PipelineError(ValueError):
@@ -43,11 +43,11 @@ class PipelineError(ValueError):
 def assign_phases(program: Program, ctx: PassContext) -> Program:
     if ctx.state.pipeline is None:
         return program
-    _Jobs(program, ctx).run()
+    _PhaseAssignment(program, ctx).run()
     return program
 
 
-class _Jobs:
+class _PhaseAssignment:
     def __init__(self, program: Program, ctx: PassContext):
         self.program, self.layout = program, ctx.state.pipeline
         self.mb = micro_batch_dim(ctx.state.mesh)

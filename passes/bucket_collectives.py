@@ -26,9 +26,9 @@ from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
 from ..ir.dist import micro_batch_dim
 from ..pipeline.phases import STAGE
+from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import AllReduce
-from .context import PassContext
 
 HANDLE = OpaqueType("!comm.handle")
 MIB = 1 << 20

@@ -11,8 +11,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import Program, Role
-from ..ir.lower_fx import lower_graph
-from .context import PassContext
+from ..ir.from_fx import lower_graph
+from ..planning.context import PassContext
 
 
 def _clip(grads: list[torch.Tensor], max_norm: float, norm_type: float) -> list[torch.Tensor]:

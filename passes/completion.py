@@ -17,10 +17,10 @@ from ..ir import Op, OpKind, Program, Value
 from ..ir.attrs import NAME
 from ..ir.dist import DistAttr, ProcessMesh, Replicate
 from ..ir.reason import Reason
+from ..planning.context import PassContext
 from ..spmd import lookup
 from ..spmd.einsum import Decision, MeshDimChoice, Option
-from ..spmd.registry import describe, tensor_inputs
-from .context import PassContext
+from ..spmd.rule_registry import describe, tensor_inputs
 
 
 def _signature(a):

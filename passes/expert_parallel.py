@@ -3,7 +3,7 @@ mesh dim.
 
 An experts module holds its experts' weights stacked, ``[experts, out, in]``, and applies
 them with one batched matmul over the expert dim (autopar captures transformers' experts
-modules that way, ``ir/experts.py``: every expert on every token, each token's output the
+modules that way, ``capture/experts.py``: every expert on every token, each token's output the
 sum over experts of its routing weight times the expert's output). Sharding that dim is
 expert parallelism: each rank holds its experts (and their gradients and optimizer state)
 and computes them, and the module's output is a sum over ranks.
@@ -28,9 +28,9 @@ from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS
 from ..ir.dist import DistAttr, ProcessMesh, Shard
 from ..ir.reason import Reason
-from ..spmd.registry import tensor_inputs
-from .context import PassContext
-from .pinning import AnnotationError, pin
+from ..planning.context import PassContext
+from ..planning.pinning import AnnotationError, pin
+from ..spmd.rule_registry import tensor_inputs
 
 __all__ = ["expert_parallel", "expert_stacks"]
 

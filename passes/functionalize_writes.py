@@ -26,7 +26,7 @@ from typing import Callable
 
 from ..ir import Op, OpKind, Program, Value
 from ..ir.ops import UnknownOpError, op_info, schema_args
-from .context import PassContext
+from ..planning.context import PassContext
 
 
 # view target -> how the written view goes back into the view's input:

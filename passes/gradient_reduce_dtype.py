@@ -33,8 +33,8 @@ from ..ir.attrs import NAME, STATE
 from ..ir.core import dtype_abbrev
 from ..ir.dist import DistAttr, Partial, Placement, Replicate
 from ..ir.reason import Reason
-from ..spmd.registry import tensor_inputs
-from .context import PassContext
+from ..planning.context import PassContext
+from ..spmd.rule_registry import tensor_inputs
 
 __all__ = ["gradient_reduce_dtype", "format_casts"]
 

@@ -15,9 +15,9 @@ from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import LOCAL_NOTE
 from ..ir.dist import micro_batch_dim
 from ..pipeline.phases import STAGE
+from ..planning.context import PassContext
 from ..reshard.comm import RESHARD_STEP
 from ..reshard.steps import AllReduce
-from .context import PassContext
 
 
 def join_gradients(program: Program, ctx: PassContext) -> Program:

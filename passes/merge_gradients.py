@@ -35,7 +35,7 @@ from ..ir.attrs import NAME, STATE, Attr
 from ..ir.dist import DistAttr, Replicate, micro_batch_dim
 from ..ir.reason import Reason
 from ..pipeline.phases import STAGE
-from .context import PassContext
+from ..planning.context import PassContext
 from .dead_code import dead_code
 from .zero_sharding import from_backward
 
@@ -84,7 +84,7 @@ def merge_gradients(program: Program, ctx: PassContext) -> Program:
 
 def _gradients(program: Program, ctx: PassContext) -> dict[str, Value]:
     """Each updated parameter's gradient as the backward made it: the gradient operand of
-    its update (``lower_optimizer``: ``(param, grad, hparams, *state)``), back through the
+    its update (``optimizer_updates``: ``(param, grad, hparams, *state)``), back through the
     optimizer-role ops that transform it first (clipping)."""
     found: dict[str, Value] = {}
     for slot, v in program.results():

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
+from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import AllGather
-from .context import PassContext
 from .zero_sharding import parameter_of, scheduled_axis
 
 __all__ = ["prefetch_gathers"]

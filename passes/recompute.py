@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT, STATE, Attr
-from ..ir.kernels.rng import RNG_STATE
+from ..ir.kernels.generator_state import RNG_STATE
 from ..ir.ops import draws_random, op_info
 from ..ir.printer import value_names
+from ..planning.context import PassContext
 from ..reshard.comm import FOR_ROLE
-from .context import PassContext
 
 __all__ = ["recompute", "format_recompute", "RECOMPUTE", "segments", "Segment"]
 

@@ -30,8 +30,8 @@ from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import COMM_TEXT, NAME
 from ..ir.ops import op_info
 from ..ir.reason import Reason
+from ..planning.context import PassContext
 from ..reshard.comm import FOR_ROLE, RESHARD_STEP
-from .context import PassContext
 from .zero_sharding import half_copy, scheduled_axis
 
 __all__ = ["regather_for_backward", "gathered_families", "Family"]

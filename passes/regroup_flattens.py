@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from ..ir import OpKind, Program, StateKind
 from ..ir.attrs import REGROUP_DIMS
+from ..planning.context import PassContext
 from ..spmd.rules.views import RESHAPES
-from .context import PassContext
 
 __all__ = ["regroup_flattens"]
 

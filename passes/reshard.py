@@ -17,9 +17,9 @@ from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT
 from ..ir.dist import DistAttr
 from ..ir.reason import Reason
+from ..planning.context import PassContext
 from ..reshard import plan_reshard
 from ..reshard.comm import FOR_ROLE, FOR_TARGET, RESHARD_STEP
-from .context import PassContext
 
 
 def reshard(program: Program, ctx: PassContext) -> Program:

@@ -37,9 +37,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value
 from ..ir.attrs import NAME, STATE, Attr
-from ..ir.lower_fx import lower_graph
+from ..ir.from_fx import lower_graph
+from ..planning.context import PassContext
 from ..strategy.sections import AmpConfig
-from .context import PassContext
 
 __all__ = ["LOSS_SCALING", "LOSS_SCALE", "GROWTH_TRACKER", "FOUND_INF", "SCALE_USED",
            "scaler_state", "declare_scaler_state", "scales_loss", "scale_loss", "ScaleLossError"]

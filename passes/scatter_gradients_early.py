@@ -28,9 +28,9 @@ from __future__ import annotations
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
+from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import ReduceScatter
-from .context import PassContext
 from .prefetch_gathers import layer_of
 from .zero_sharding import scheduled_axis
 

@@ -11,18 +11,17 @@ time.
 from __future__ import annotations
 
 from ..ir import OpKind, Program
-from ..pipeline.cost import op_flops
+from ..pipeline.flops import op_flops
 from ..pipeline.phases import Phase, homes_of
-from ..pipeline.schedules import build_schedule, splits_backward
+from ..pipeline.schedules import PipelineSchedule, build_schedule, splits_backward
 from ..pipeline.timeline import (
-    PipelineSchedule,
     check_jobs,
     peak_in_flight,
     play,
     render,
     unit_cost,
 )
-from .context import PassContext
+from ..planning.context import PassContext
 
 
 def schedule_pipeline(program: Program, ctx: PassContext) -> Program:

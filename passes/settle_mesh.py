@@ -23,8 +23,8 @@ from ..ir.dist import DistAttr, ProcessMesh
 from ..pipeline.layout import PipelineLayout
 from ..pipeline.phases import STAGE_HINT
 from ..pipeline.schedules import check_schedule_args
-from .context import PassContext
-from .pinning import AnnotationError, trivial_dims_replicated
+from ..planning.context import PassContext
+from ..planning.pinning import AnnotationError, trivial_dims_replicated
 
 __all__ = ["settle_mesh"]
 

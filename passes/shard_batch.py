@@ -8,8 +8,8 @@ from ..ir import OpKind, Program
 from ..ir.attrs import BATCH_PATH, NAME
 from ..ir.dist import MICRO_BATCH_DIM, DistAttr, Shard
 from ..ir.reason import Reason
-from .context import PassContext
-from .pinning import pin
+from ..planning.context import PassContext
+from ..planning.pinning import pin
 
 __all__ = ["shard_batch", "BatchDimError", "batch_dim_of"]
 

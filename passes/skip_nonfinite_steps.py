@@ -1,4 +1,4 @@
-"""Loss scaling, its second half (after ``lower_optimizer``): a step whose gradients held an
+"""Loss scaling, its second half (after ``optimizer_updates``): a step whose gradients held an
 inf or nan on any rank changes no parameter and no optimizer state, and a dynamic loss scale
 moves as ``torch.amp.GradScaler.update`` moves it.
 
@@ -27,9 +27,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import OpKind, Program, Role, Slot, Value
-from ..ir.lower_fx import lower_graph
-from .context import PassContext
-from .lower_optimizer import OPTIMIZER_RULES
+from ..ir.from_fx import lower_graph
+from ..planning.context import PassContext
+from .optimizer_updates import OPTIMIZER_RULES
 from .scale_loss import (
     FOUND_INF,
     GROWTH_TRACKER,

@@ -22,9 +22,9 @@ import re
 
 from ..ir import Op, OpKind, Program, Role
 from ..ir.attrs import NAME
-from ..pipeline.cost import op_flops
+from ..pipeline.flops import op_flops
 from ..pipeline.phases import STAGE, STAGE_HINT
-from .context import PassContext
+from ..planning.context import PassContext
 
 _LAYER = re.compile(r"^(.*\.)?\d+$")
 

@@ -52,7 +52,7 @@ from ..ir import Op, OpKind, Program, TensorType, Value
 from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DECOMPOSES, NAME, Slot, StateKind
 from ..ir.ops import op_info, schema_args
-from .context import PassContext
+from ..planning.context import PassContext
 from .functionalize_writes import out_of_place
 
 _A = "aten."

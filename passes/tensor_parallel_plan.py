@@ -47,12 +47,12 @@ from ..ir.dist import (
 )
 from ..ir.ops import schema_args
 from ..ir.reason import Reason
+from ..planning.context import PassContext
+from ..planning.pinning import AnnotationError, pin
 from ..spmd import lookup
 from ..spmd.dim_transforms import view_groups
-from ..spmd.registry import tensor_inputs
+from ..spmd.rule_registry import tensor_inputs
 from ..spmd.spec import UNSHARDABLE
-from .context import PassContext
-from .pinning import AnnotationError, pin
 
 __all__ = ["tensor_parallel_plan", "plan_entries", "style_placement"]
 

@@ -38,8 +38,8 @@ from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DECOMPOSES
 from ..ir.dist import DistAttr
 from ..ir.ops import schema_args
-from ..spmd.registry import tensor_inputs
-from .context import PassContext
+from ..planning.context import PassContext
+from ..spmd.rule_registry import tensor_inputs
 
 _FORWARD = "aten._log_softmax.default"          # (self, dim, half_to_float)
 _BACKWARD = "aten._log_softmax_backward_data.default"   # (grad, output, dim, input_dtype)

@@ -36,8 +36,8 @@ from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS, STATE
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, Shard
 from ..ir.reason import Reason
-from .context import PassContext
-from .pinning import AnnotationError, pin, trivial_dims_replicated
+from ..planning.context import PassContext
+from ..planning.pinning import AnnotationError, pin, trivial_dims_replicated
 
 __all__ = ["zero_sharding", "scheduled_axis", "from_backward", "half_copy",
            "parameter_of"]

@@ -15,7 +15,10 @@ Vocabulary (p = ranks along the pp axis, m = micro-batches, v = chunks per rank)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .timeline import Timeline
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 KINDS = (FORWARD, BACKWARD, WEIGHT)
@@ -248,3 +251,16 @@ def build_schedule(name: str, ranks: int, micro_batches: int, chunks: int = 1,
         return [_forward_only(rank, ranks, micro_batches, chunks) for rank in range(ranks)]
     check_schedule_args(name, ranks, micro_batches, chunks)
     return [rule.build(rank, ranks, micro_batches, chunks) for rank in range(ranks)]
+
+
+@dataclass
+class PipelineSchedule:
+    """A pipeline's job order for one program (the ``schedule_pipeline`` pass's result):
+    every rank's jobs, each (stage, job kind)'s FLOPs per micro-batch, and the timeline
+    they play out on with those costs (``timeline.play``)."""
+
+    name: str
+    jobs: list[list[Job]]                     # per pipeline rank, in order
+    costs: dict[tuple[int, str], float]       # (stage, job kind) -> FLOPs per micro-batch
+    timeline: Timeline
+    forward_only: bool

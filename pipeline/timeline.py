@@ -9,8 +9,8 @@ debugging a run (what did each rank wait for). Times are in abstract units;
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
 
 from .schedules import BACKWARD, FORWARD, WEIGHT, Job
 
@@ -130,13 +130,16 @@ def transfers(jobs: list[list[Job]]) -> list[Transfer]:
 # --------------------------------------------------------------------------------------
 @dataclass
 class Timeline:
-    """When each job ran. ``stages`` is ranks x chunks (read off the jobs by ``play``)."""
+    """When each job ran. ``stages`` is ranks x chunks (read off the jobs by ``play``);
+    ``finish`` is each rank's end, its ``tail`` included (the work after its last job)."""
 
     jobs: list[list[Job]]
     start: dict[Job, float]
     end: dict[Job, float]
     makespan: float
     stages: int
+    finish: list[float] = field(default_factory=list)
+    tail_time: list[float] = field(default_factory=list)    # wall time of each rank's tail
 
     @property
     def ranks(self) -> int:
@@ -151,8 +154,9 @@ class Timeline:
         return 1 + max((j.micro_batch for rank_jobs in self.jobs for j in rank_jobs), default=-1)
 
     def busy(self, rank: int) -> float:
-        """Time ``rank`` spends running jobs."""
-        return sum(self.end[job] - self.start[job] for job in self.jobs[rank])
+        """Time ``rank`` spends running jobs (and its tail)."""
+        tail = self.tail_time[rank] if self.tail_time else 0.0
+        return sum(self.end[job] - self.start[job] for job in self.jobs[rank]) + tail
 
     def idle(self, rank: int) -> float:
         """Time ``rank`` waits within the makespan (same units as the costs)."""
@@ -166,17 +170,23 @@ class Timeline:
         return 1.0 - busy / (self.ranks * self.makespan)
 
 
-@dataclass
-class PipelineSchedule:
-    """A pipeline's job order for one program (the ``schedule_pipeline`` pass's result):
-    every rank's jobs, each (stage, job kind)'s FLOPs per micro-batch, and the timeline
-    they play out on with those costs."""
+@dataclass(frozen=True)
+class CoreSharing:
+    """Ranks that share the machine's cores. Rank r stands for ``processes[r]`` processes,
+    and a job's cost is its duration with every process computing: while only ``n`` of the
+    ``P`` processes run jobs it progresses at ``slowdown(P) / slowdown(n)`` of its work per
+    unit of time (``slowdown``: how much slower ``n`` processes compute together than one
+    alone, the cost model's measured contention). On a machine with fewer cores than
+    processes this decides between schedules: a pipeline's bubble is exactly when some
+    processes sleep in a wait and leave their cores to the others."""
 
-    name: str
-    jobs: list[list[Job]]                     # per pipeline rank, in order
-    costs: dict[tuple[int, str], float]       # (stage, job kind) -> FLOPs per micro-batch
-    timeline: Timeline
-    forward_only: bool
+    processes: tuple[int, ...]
+    slowdown: Callable[[int], float]
+
+    def rate(self, running: Iterable[int]) -> float:
+        """Work per unit of time while the ranks ``running`` run."""
+        return self.slowdown(sum(self.processes)) / self.slowdown(
+            sum(self.processes[r] for r in running))
 
 
 def unit_cost(job: Job) -> float:
@@ -184,15 +194,14 @@ def unit_cost(job: Job) -> float:
     return 1.0
 
 
-def _ready_time(rank: int, deps: list[Job], where: dict[Job, int], end: dict[Job, float],
-                latency: float) -> float | None:
-    """When a job's inputs ``deps`` are all on ``rank``, or None while one is still missing."""
-    ready = 0.0
-    for dep in deps:
-        if dep not in end:
-            return None
-        ready = max(ready, end[dep] + (latency if where[dep] != rank else 0.0))
-    return ready
+def _where(jobs: list[list[Job]]) -> dict[Job, int]:
+    where: dict[Job, int] = {}
+    for rank, rank_jobs in enumerate(jobs):
+        for job in rank_jobs:
+            if job in where:
+                raise ValueError(f"job {job} is listed twice (ranks {where[job]} and {rank})")
+            where[job] = rank
+    return where
 
 
 def _deadlock(jobs: list[list[Job]], pos: list[int], where: dict[Job, int], stages: int,
@@ -200,7 +209,7 @@ def _deadlock(jobs: list[list[Job]], pos: list[int], where: dict[Job, int], stag
     ranks = len(jobs)
     stuck, lines = {}, []
     for rank, rank_jobs in enumerate(jobs):
-        if pos[rank] == len(rank_jobs):
+        if pos[rank] >= len(rank_jobs):
             lines.append(f"rank {rank} finished")
             continue
         job = stuck[rank] = rank_jobs[pos[rank]]
@@ -219,45 +228,109 @@ def _deadlock(jobs: list[list[Job]], pos: list[int], where: dict[Job, int], stag
                          stuck)
 
 
+class _Player:
+    """``play``'s state: each rank's position in its list (its tail last), when what it runs
+    now began and how much of its work is left, and the clock, which moves from one start
+    or end to the next."""
+
+    def __init__(self, jobs: list[list[Job]], cost: Callable[[Job], float], latency: float,
+                 sharing: CoreSharing | None, tail: Sequence[float] | None):
+        self.jobs, self.latency, self.sharing = jobs, latency, sharing
+        self.ranks, self.stages, self.split = _shape(jobs)
+        self.where = _where(jobs)
+        self.work = [[_checked(cost, job) for job in rank_jobs] + ([tail[r]] if tail else [])
+                     for r, rank_jobs in enumerate(jobs)]
+        self.start: dict[Job, float] = {}
+        self.end: dict[Job, float] = {}
+        self.pos = [0] * self.ranks
+        self.left: list[float | None] = [None] * self.ranks     # None: nothing running
+        self.began = [0.0] * self.ranks
+        self.finish, self.tail_time, self.now = [0.0] * self.ranks, [0.0] * self.ranks, 0.0
+
+    def run(self) -> Timeline:
+        while any(self._pending(r) for r in range(self.ranks)):
+            self._start_what_may()
+            running = [r for r in range(self.ranks) if self.left[r] is not None]
+            waits = [w for r in range(self.ranks) if self.left[r] is None and self._pending(r)
+                     for w in (self._ready(r),) if w is not None and w > self.now]
+            if not running and not waits:
+                raise _deadlock(self.jobs, self.pos, self.where, self.stages, self.split,
+                                self.end)
+            rate = self.sharing.rate(running) if self.sharing is not None and running else 1.0
+            due = {r: self._due(r, rate) for r in running}
+            until = min([*due.values(), *waits])
+            for r in running:
+                self.left[r] -= (until - self.now) * rate
+            self.now = until
+            for r in running:
+                if due[r] <= until:
+                    self._end(r)
+        return Timeline(self.jobs, self.start, self.end, max(self.finish, default=0.0),
+                        self.stages, self.finish, self.tail_time)
+
+    def _pending(self, r: int) -> bool:
+        return self.pos[r] < len(self.work[r])
+
+    def _job(self, r: int) -> Job | None:
+        """Rank r's current item: a job, or None for its tail."""
+        return self.jobs[r][self.pos[r]] if self.pos[r] < len(self.jobs[r]) else None
+
+    def _ready(self, r: int) -> float | None:
+        """When rank r's next item may start (None: a dependency has not ended)."""
+        job, times = self._job(r), [self.finish[r]]
+        for dep in dependencies(job, self.ranks, self.stages, self.split) if job else ():
+            if dep not in self.end:
+                return None
+            times.append(self.end[dep] + (self.latency if self.where[dep] != r else 0.0))
+        return max(times)
+
+    def _due(self, r: int, rate: float) -> float:
+        """When rank r's item ends at the present rate (without sharing it lasts its cost
+        exactly, whatever else happens meanwhile)."""
+        if self.sharing is None:
+            return self.began[r] + self.work[r][self.pos[r]]
+        return self.now + self.left[r] / rate
+
+    def _start_what_may(self) -> None:
+        for r in range(self.ranks):
+            if self.left[r] is None and self._pending(r) and self._ready(r) is not None \
+                    and self._ready(r) <= self.now:
+                self.left[r], self.began[r] = self.work[r][self.pos[r]], self.now
+                if self._job(r) is not None:
+                    self.start[self._job(r)] = self.now
+
+    def _end(self, r: int) -> None:
+        job = self._job(r)
+        if job is not None:
+            self.end[job] = self.now
+        else:
+            self.tail_time[r] = self.now - self.began[r]
+        self.finish[r], self.left[r] = self.now, None
+        self.pos[r] += 1
+
+
+def _checked(cost: Callable[[Job], float], job: Job) -> float:
+    duration = cost(job)
+    if duration < 0:
+        raise ValueError(f"cost of job {job} is negative: {duration}")
+    return duration
+
+
 def play(jobs: list[list[Job]], cost: Callable[[Job], float] = unit_cost,
-         latency: float = 0.0) -> Timeline:
-    """Run every rank's list strictly in order: a job starts when the previous job on its rank
-    has ended and every dependency has ended (plus ``latency`` when it ran on another rank).
+         latency: float = 0.0, sharing: CoreSharing | None = None,
+         tail: Sequence[float] | None = None) -> Timeline:
+    """Run every rank's list strictly in order: a job starts when the previous job on its
+    rank has ended and every dependency has ended (plus ``latency`` when it ran on another
+    rank), and lasts ``cost(job)``; with ``sharing``, ranks share the machine's cores and a
+    job lasts less while others wait (``CoreSharing``). ``tail[r]``: work rank r does after
+    its last job (its once-a-step ``post``). The one player of a schedule: the
+    ``schedule_pipeline`` pass, the cost model and the pictures all use it.
 
     The pipeline shape (stages, whether the backward is split) is read off the jobs; use
     ``check_jobs`` to validate them against the intended sizes. Raises ``DeadlockError``
     naming what each rank waits for when no rank can progress.
     """
-    ranks, stages, split = _shape(jobs)
-    where: dict[Job, int] = {}
-    for rank, rank_jobs in enumerate(jobs):
-        for job in rank_jobs:
-            if job in where:
-                raise ValueError(f"job {job} is listed twice (ranks {where[job]} and {rank})")
-            where[job] = rank
-    start: dict[Job, float] = {}
-    end: dict[Job, float] = {}
-    pos, free = [0] * ranks, [0.0] * ranks
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, rank_jobs in enumerate(jobs):
-            while pos[rank] < len(rank_jobs):
-                job = rank_jobs[pos[rank]]
-                deps = dependencies(job, ranks, stages, split)
-                ready = _ready_time(rank, deps, where, end, latency)
-                if ready is None:
-                    break
-                duration = cost(job)
-                if duration < 0:
-                    raise ValueError(f"cost of job {job} is negative: {duration}")
-                start[job] = max(free[rank], ready)
-                end[job] = free[rank] = start[job] + duration
-                pos[rank] += 1
-                progressed = True
-    if any(pos[rank] < len(rank_jobs) for rank, rank_jobs in enumerate(jobs)):
-        raise _deadlock(jobs, pos, where, stages, split, end)
-    return Timeline(jobs, start, end, max(free, default=0.0), stages)
+    return _Player(jobs, cost, latency, sharing, tail).run()
 
 
 def peak_in_flight(rank_jobs: list[Job]) -> int:

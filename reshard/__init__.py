@@ -9,7 +9,7 @@
 Writing the steps into a program is the reshard pass (``passes/reshard.py``); running them
 on processes is the runtime's (``runtime/collectives.py``).
 """
-from .planner import naive_plan, plan_cost, plan_reshard, step_is_valid
+from .paths import naive_plan, plan_cost, plan_reshard, step_is_valid
 from .simulate import apply_step, apply_steps
 from .steps import (
     STEP_KINDS,

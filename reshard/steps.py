@@ -1,7 +1,7 @@
 """The reshard catalogue: one frozen dataclass per 1-D transition on one mesh dim.
 
 A step is pure data: which mesh dim it works on, which placement it turns into which, and
-what it costs (bytes, via ``reshard.cost``). It does not know whether it is valid in a given
+what it costs (bytes, via ``reshard.traffic``). It does not know whether it is valid in a given
 n-D state (nesting order, reduce-op commutation) — the planner decides that — and it does
 not move data: ``reshard.simulate`` gives the reference semantics, a runtime inserter the
 real collectives.
@@ -40,7 +40,7 @@ from ..ir.dist import (
     format_groups,
     local_shape,
 )
-from .cost import reshard_bytes
+from .traffic import reshard_bytes
 
 __all__ = ["Step", "AllReduce", "ReduceScatter", "AllGather", "Slice", "AllToAll",
            "MakePartial", "STEP_KINDS", "transition", "parent_shape"]

@@ -23,7 +23,7 @@ from ..ir.attrs import COMM_TEXT
 from ..ir.dist import assemble, format_placements
 from ..ir.printer import value_names
 from ..lower.executable import Lowered
-from .rng import forked_generator
+from .seeding import forked_generator
 from .simulator import call_op, initial_value, simulate_step
 
 __all__ = ["Divergence", "locate_divergence"]

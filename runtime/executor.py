@@ -18,8 +18,8 @@ from .codegen import generate
 from .collectives import bind
 from .job_store import cut_feeds
 from .process_groups import MeshGroups
-from .rng import forked_generator
-from .state import cut_piece
+from .rank_state import cut_piece
+from .seeding import forked_generator
 
 __all__ = ["Executor", "PipelinedExecutor", "ProgramExecutor"]
 

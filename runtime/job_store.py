@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from ..ir import Slot
-from ..lower.pipeline_jobs import STEP, Accumulation, JobId, RankJobs
+from ..pipeline.jobs import STEP, Accumulation, JobId, RankJobs
 from ..pipeline.phases import Phase
 from ..reshard.steps import AllGather, AllReduce
 

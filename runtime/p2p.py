@@ -7,7 +7,7 @@ any later message of the pair, a send (``isend``) as soon as its value exists, a
 earlier receive of the pair. NCCL matches a pair's operations in posting order and gloo a
 direction's, so both ends always agree on which buffer a message fills; and since a send
 never waits and every wait is for a message an earlier job of the peer sends, no cycle of
-waits can form (``lower.pipeline_jobs``).
+waits can form (``pipeline.jobs``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ..lower.pipeline_jobs import Message
+from ..pipeline.jobs import Message
 
 __all__ = ["P2PTransport"]
 

@@ -19,14 +19,14 @@ import torch.distributed as dist
 from ..ir import Slot
 from ..ir.attrs import SLOTS
 from ..lower.executable import JobProgram, PipelineProcess, Recv, Send
-from ..lower.pipeline_jobs import JobId
+from ..pipeline.jobs import JobId
 from ..pipeline.phases import Phase
 from .codegen import generate
 from .collectives import bind
 from .job_store import RankStore, cut_feeds
 from .p2p import P2PTransport
 from .process_groups import MeshAxisGroup, MeshGroups
-from .rng import eager_rng_states, forked_generator
+from .seeding import eager_rng_states, forked_generator
 
 __all__ = ["PipelineExecutor", "logical_groups"]
 

@@ -20,13 +20,13 @@ from ..ir import OpKind, Slot
 from ..ir.attrs import NAME, SLOTS
 from ..ir.dist import DistAttr, ProcessMesh, assemble
 from ..lower.executable import JobProgram, Lowered, PipelineProcess, Recv, Send
-from ..lower.pipeline_jobs import JobId
+from ..pipeline.jobs import JobId
 from ..pipeline.phases import Phase
 from ..pipeline.timeline import timeline_events
 from .job_store import RankStore, cut_feeds
-from .rng import eager_rng_states, forked_generator
+from .rank_state import cut_piece
+from .seeding import eager_rng_states, forked_generator
 from .simulator import call_op, communicate
-from .state import cut_piece
 
 __all__ = ["PipelineSimulator", "PipelineDeadlock"]
 
@@ -56,7 +56,7 @@ class PipelineSimulator:
             raise ValueError(f"pipeline simulator: processes at (pp, coordinate) {missing[:4]} "
                              "were not lowered")
         self.peak_activation_bytes: list[int] = [0] * layout.ranks
-        self.meter = None     # a runtime.memory.PipelineMeter counts live bytes when set
+        self.meter = None     # a runtime.memory_meter.PipelineMeter counts live bytes when set
 
     def peaks(self) -> list[int]:
         """Each pipeline rank's peak activation bytes of the last step."""

@@ -27,8 +27,8 @@ from .executor import Executor, ProgramExecutor
 from .pipeline_process import PipelineExecutor, logical_groups
 from .pipeline_simulator import PipelineSimulator
 from .process_groups import check_launch, init_distributed, mesh_groups, p2p_group, shutdown
+from .rank_state import Pieces, PipelineAxis, RankState
 from .simulator import SimulatedExecutor
-from .state import Pieces, PipelineAxis, RankState
 
 __all__ = ["Initial", "LocalRuntime", "DistributedRuntime"]
 

@@ -31,7 +31,7 @@ from ..lower.executable import (
     ScatterWait,
 )
 from ..reshard.simulate import apply_step
-from .rng import forked_generator
+from .seeding import forked_generator
 
 __all__ = ["simulate_step", "SimulatedExecutor", "call_op", "communicate", "initial_value"]
 

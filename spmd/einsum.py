@@ -33,7 +33,7 @@ from ..ir.dist import (
     group_total,
 )
 from ..ir.reason import REPLICATE, MeshDimChoice, Option
-from ..reshard.cost import reshard_bytes
+from ..reshard.traffic import reshard_bytes
 from .spec import UNSHARDABLE, Spec
 
 

@@ -8,7 +8,7 @@ engine passes ``os.environ`` where an override applies.
 
 The strategy is pure data: it imports nothing of autopar's. What needs the mesh as a
 ``ProcessMesh`` or a schedule's rules is checked where the strategy is interpreted
-(``passes.parallel_layout``).
+(``planning.parallel_layout``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ SHAREABLE_AXES: frozenset[frozenset[str]] = frozenset({
 HOLD_DIFFERENT_PARAMS: Mapping[str, str] = {
     "tensor_parallel": "different pieces of the parameters",
     "pipeline": "different stages' parameters", "expert_parallel": "different experts"}
-# Never refused by check_supported: they exist from the first version on.
-ALWAYS_SUPPORTED: frozenset[str] = frozenset({"grad_clip", "debug", "seed"})
+# Never refused by check_supported: they change no program (no pass implements them).
+ALWAYS_SUPPORTED: frozenset[str] = frozenset({"debug", "seed"})
 # Environment variable that overrides debug.dump_dir (read by the engine, passed in).
 DUMP_DIR_ENV = "AUTOPAR_DUMP_DIR"
 
@@ -284,7 +284,7 @@ class Strategy(BaseModel):
     def check_supported(self, supported: Collection[str]) -> None:
         """Refuse every enabled section not in ``supported``, so none is silently ignored.
 
-        grad_clip, debug and seed are always supported. Raises UnsupportedStrategyError
+        debug and seed are always supported. Raises UnsupportedStrategyError
         listing all refused sections with their values.
         """
         if isinstance(supported, str):

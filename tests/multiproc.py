@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autopar.runtime.launch import free_port
+from autopar.runtime.spawn import free_port
 
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 

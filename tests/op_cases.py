@@ -16,15 +16,15 @@ import models_zoo as zoo
 import torch
 from torch.utils import _pytree as pytree
 
+from autopar.capture.step import capture
 from autopar.ir import Op, OpKind, Program, StateKind, TensorType, Value
 from autopar.ir.attrs import CONST, MULTI, NAME, STATE, STRIDES
-from autopar.ir.capture import capture
 from autopar.ir.ops import op_info, resolve
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.passes.context import PassContext, PlanInputs
+from autopar.passes import pass_manager
 from autopar.passes.decompose_loss import decompose_loss
-from autopar.passes.manager import PassManager
+from autopar.planning.context import PassContext, PlanInputs
 from autopar.strategy import Strategy
 
 BATCH, SEQ, VOCAB = 2, 8, 30
@@ -121,7 +121,7 @@ def _program(model, loss, batch, decompose: bool) -> tuple[Program, torch.optim.
     strategy = Strategy(grad_clip={"max_norm": 1.0})
     ctx = PassContext(PlanInputs.of(strategy, optimizer=optimizer, param_names={
         id(p): n for n, p in model.named_parameters()}))
-    program = PassManager().run(program, ctx)
+    program = pass_manager().run(program, ctx)
     if decompose:      # a no-op if the pipeline already decomposed the mean loss
         program = decompose_loss(program, ctx)
     return program, optimizer

@@ -98,7 +98,7 @@ def memory_peaks(*strategy_yamls: str) -> list[dict]:
     after a first step made the optimizer state; then the peak of every storage a step of
     the compiled program allocates (``AllocationMeter``)."""
     from autopar.models.gpt import lm_loss
-    from autopar.runtime.memory import AllocationMeter, RankMeter
+    from autopar.runtime.memory_meter import AllocationMeter, RankMeter
     x, y = (torch.stack(t) for t in zip(*lm_data(8, 16, 64)))
     results = []
     for text in strategy_yamls:
@@ -351,7 +351,7 @@ def _cloned(state: dict) -> dict:
 def _layout(engine: ap.Engine) -> dict:
     """This rank's pieces of the model's state: pipeline stage owning each, how many boxes
     the piece is, whether this rank writes it to a checkpoint."""
-    from autopar.checkpoint.layout import piece_boxes, writes_piece
+    from autopar.checkpoint.boxes import piece_boxes, writes_piece
     state = engine.runtime.state
     pieces = {n: state.pieces[n] for n in engine.state.module_state_names()}
     return {"pp": state.pipeline.pp if state.pipeline is not None else None,

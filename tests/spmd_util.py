@@ -7,7 +7,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.ir.core import Op, OpKind, TensorType, Value
 from autopar.ir.dist import DistAttr, ProcessMesh, parse_placements
-from autopar.ir.lower_fx import value_type
+from autopar.ir.from_fx import value_type
 from autopar.ir.ops import resolve
 from autopar.spmd import lookup
 

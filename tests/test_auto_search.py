@@ -24,7 +24,7 @@ from autopar.ir.attrs import NAME
 from autopar.ir.dist import Shard
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.runtime.memory import measure_step
+from autopar.runtime.memory_meter import measure_step
 from autopar.strategy.sections import AutoConfig
 
 from .models_zoo import MegatronMLP as MLP

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import autopar as ap
+from autopar.capture.step import CaptureError, call_model, capture, loss_from_output
 from autopar.ir import OpKind, Role, StateKind
 from autopar.ir.attrs import CONST, NAME
-from autopar.ir.capture import CaptureError, call_model, capture, loss_from_output
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import autopar as ap
-from autopar.checkpoint.layout import checkpoint_key, piece_boxes, writes_piece
+from autopar.checkpoint.boxes import checkpoint_key, piece_boxes, writes_piece
 from autopar.checkpoint.store import SafeReader, latest_checkpoint
 from autopar.engine.callbacks import ModelCheckpoint
 from autopar.engine.checkpointing import CheckpointError, CheckpointMismatch

@@ -13,8 +13,8 @@ from autopar.ir import OpKind, Role
 from autopar.ir.attrs import NAME
 from autopar.ir.dist import Partial, Replicate, Shard
 from autopar.passes.completion import MissingRuleError, MissingRuleWarning
-from autopar.passes.explain import describe_reason, planned_moves
-from autopar.passes.pinning import AnnotationError
+from autopar.planning.explain import describe_reason, planned_moves
+from autopar.planning.pinning import AnnotationError
 
 from .models_zoo import MegatronMLP, mse
 

@@ -1,7 +1,8 @@
 """The pipeline runtime's costs in the step-time predictor: the timeline on shared cores
-(``cost.shared_timeline``: exact times of tiny schedules; equal to ``pipeline.timeline.play``
-when sharing changes nothing) and the measured per-job and per-send charges growing a
-planned GPT pipeline's prediction linearly with its micro-batches. Synthetic profiles: no
+(``pipeline.timeline.play`` with ``CoreSharing``: exact times of tiny schedules; the same
+times as without sharing when sharing changes nothing) and the measured per-job and
+per-send charges growing a planned GPT pipeline's prediction linearly with its
+micro-batches. Synthetic profiles: no
 timing."""
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from autopar.cost import AlphaBeta, Curve, Profile
-from autopar.cost.shared_timeline import play_shared
 from autopar.pipeline.schedules import Job, build_schedule
-from autopar.pipeline.timeline import play
+from autopar.pipeline.timeline import CoreSharing, play
 
 from .test_cost_predict import predict_tiny_gpt
 
@@ -35,10 +35,10 @@ def _cost(job: Job) -> float:
 
 @pytest.mark.parametrize("schedule, ranks, m", [("1F1B", 4, 8), ("FThenB", 2, 4),
                                                  ("ZBH1", 4, 4)])
-def test_without_sharing_the_shared_timeline_is_plays(schedule, ranks, m):
+def test_sharing_that_changes_nothing_plays_the_same_times(schedule, ranks, m):
     jobs = build_schedule(schedule, ranks, m)
     plain = play(jobs, _cost, latency=0.25)
-    shared = play_shared(jobs, _cost, 0.25, [1] * ranks, lambda n: 1.0)
+    shared = play(jobs, _cost, 0.25, CoreSharing((1,) * ranks, lambda n: 1.0))
     assert shared.end == pytest.approx(plain.end, rel=1e-12)
     assert max(shared.finish) == pytest.approx(plain.makespan, rel=1e-12)
 
@@ -47,19 +47,19 @@ def test_a_rank_running_alone_runs_at_the_speed_of_one_process():
     # one micro-batch on 2 ranks: the jobs run one at a time; each cost is at the full
     # plan's contention (2 processes: twice as slow as one), so each takes half its cost
     jobs = build_schedule("FThenB", 2, 1)
-    shared = play_shared(jobs, lambda job: 2.0, 0.0, [1, 1], lambda n: float(n))
+    shared = play(jobs, lambda job: 2.0, 0.0, CoreSharing((1, 1), float))
     assert shared.finish == pytest.approx([4.0, 3.0])
-    assert shared.bubble == pytest.approx(0.5)
+    assert shared.bubble() == pytest.approx(0.5)
 
 
 def test_work_together_is_slower_until_a_rank_finishes():
     # tails only: both run at the full rate until rank 0's 2 s are done at t=2, then rank
     # 1's last 2 s of work at twice the rate (alone): 1 s
-    shared = play_shared([[], []], lambda job: 0.0, 0.0, [1, 1], lambda n: float(n), [2.0, 4.0])
+    shared = play([[], []], lambda job: 0.0, 0.0, CoreSharing((1, 1), float), [2.0, 4.0])
     assert shared.finish == pytest.approx([2.0, 3.0])
     # a rank standing for 3 processes (dp inside a stage): costs are at 4 processes' rate;
     # alone, rank 1's one process runs 4 times as fast
-    shared = play_shared([[], []], lambda job: 0.0, 0.0, [3, 1], lambda n: float(n), [2.0, 4.0])
+    shared = play([[], []], lambda job: 0.0, 0.0, CoreSharing((3, 1), float), [2.0, 4.0])
     assert shared.finish == pytest.approx([2.0, 2.0 + 2.0 / 4])
 
 

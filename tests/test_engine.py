@@ -69,14 +69,14 @@ def test_prepare_plans_without_running_and_dumps_every_pass(tmp_path, monkeypatc
     files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
     # one numbered dump per pass, in the pass manager's order, then the memory estimate of
     # the lowered program, then the timings
-    from autopar.passes.manager import PIPELINE
+    from autopar.passes import PIPELINE
     assert files == (["00_capture.txt"]
                      + [f"{n:02d}_{p.name}.txt" for n, p in enumerate(PIPELINE, start=1)]
                      + [f"{len(PIPELINE) + 1:02d}_memory.txt", "timings.txt"])
     assert [p.name for p in PIPELINE][:3] == ["decompose_loss", "fold_noops",
                                               "functionalize_writes"]
-    assert "lower_optimizer" in (tmp_path / "rank0" / "timings.txt").read_text()
-    final = next((tmp_path / "rank0").glob("[0-9][0-9]_lower_optimizer.txt")).read_text()
+    assert "optimizer_updates" in (tmp_path / "rank0" / "timings.txt").read_text()
+    final = next((tmp_path / "rank0").glob("[0-9][0-9]_optimizer_updates.txt")).read_text()
     assert "optim.sgd" in final and "aten.linalg_vector_norm" in final
     assert "update[head.weight]=" in final
     assert any(op.target == "optim.sgd" for op in program.ops)
@@ -91,9 +91,11 @@ def test_programs_are_cached_per_batch_signature():
 
 
 def test_unsupported_strategy_section_is_refused_up_front(monkeypatch):
-    # every section plans today: take one away, as a version without it would be
-    import autopar.engine.engine as engine_module
-    monkeypatch.setattr(engine_module, "PLANNED_SECTIONS", engine_module.PLANNED_SECTIONS - {"amp"})
+    # the accepted sections are those the passes implement: take amp's passes away, as a
+    # version without them would be
+    import autopar.passes as passes
+    monkeypatch.setattr(passes, "PIPELINE",
+                        tuple(p for p in passes.PIPELINE if "amp" not in p.implements))
     strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]},
                            amp={"enable": True})
     with pytest.raises(UnsupportedStrategyError, match="amp"):

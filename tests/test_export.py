@@ -13,7 +13,7 @@ import torch
 import autopar as ap
 from autopar.__main__ import main as cli
 from autopar.checkpoint import export as export_module
-from autopar.checkpoint.export import consolidate
+from autopar.checkpoint.consolidate import consolidate
 from autopar.checkpoint.safetensors_file import (
     DTYPES,
     SafetensorsWriter,

@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader
 
 import autopar as ap
 from autopar.ir import OpKind, Role, StateKind
-from autopar.lower.pipeline_jobs import MESSAGE
 from autopar.models.gpt import lm_loss
 from autopar.passes.merge_gradients import MERGE, GradientMergeError
+from autopar.pipeline.jobs import MESSAGE
 from autopar.reshard.comm import FOR_ROLE
 
 from .multiproc import run_ranks

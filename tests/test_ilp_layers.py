@@ -21,8 +21,9 @@ from autopar.ir import OpKind, Role
 from autopar.ir.attrs import NAME
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.passes.explain import planned_moves
-from autopar.passes.manager import PIPELINE, PassManager
+from autopar.passes import PIPELINE
+from autopar.planning.explain import planned_moves
+from autopar.planning.manager import PassManager
 
 from .models_zoo import hf_gpt2
 from .parity import one_thread

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from autopar.capture.step import capture
 from autopar.ir import (
     Op,
     OpKind,
@@ -16,7 +17,6 @@ from autopar.ir import (
     verify,
 )
 from autopar.ir.attrs import NAME, SLOTS, STATE
-from autopar.ir.capture import capture
 
 
 class Tiny(torch.nn.Module):

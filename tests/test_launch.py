@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.runtime.launch import free_port, rank_env
+from autopar.runtime.spawn import free_port, rank_env
 
 from .multiproc import RANK_MAIN, finish, launch, logs
 

@@ -1,5 +1,5 @@
-"""The plan-time memory estimate (``engine.cost``, ``lower.memory``) against the runtime's
-own account of the live tensors of a step (``runtime.memory``), per rank, on the simulator;
+"""The plan-time memory estimate (``engine.cost``, ``lower.memory_estimate``) against the runtime's
+own account of the live tensors of a step (``runtime.memory_meter``), per rank, on the simulator;
 the ``memory_limit_gb`` refusal; the ``plan`` CLI's table."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from autopar import Engine, Strategy
-from autopar.lower.memory import MemoryLimitError, format_estimates
+from autopar.lower.memory_estimate import MemoryLimitError, format_estimates
 from autopar.models import GPT, GPTConfig
-from autopar.runtime.memory import PipelineMeter, measure_step
+from autopar.runtime.memory_meter import PipelineMeter, measure_step
 from autopar.runtime.pipeline_process import PipelineExecutor
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -163,7 +163,7 @@ def test_plan_cli_prints_the_memory_table(tmp_path):
 
 
 def test_allocation_meter_counts_storages_from_allocation_to_last_tensor():
-    from autopar.runtime.memory import AllocationMeter
+    from autopar.runtime.memory_meter import AllocationMeter
     held = torch.zeros(256)                              # 1 KiB that existed before
     with AllocationMeter([held]) as meter:
         a = torch.ones(1000)                             # 4000 B

@@ -1,6 +1,6 @@
 """The plan-time memory estimate against what a real gloo rank holds: each of 2 processes
 plans with ``engine.cost`` and then counts its live tensors over a training step
-(``runtime.memory.RankMeter``: the rank's own program op by op, on its own pieces, with
+(``runtime.memory_meter.RankMeter``: the rank's own program op by op, on its own pieces, with
 real collectives; a pipeline's jobs with its store and messages), and every storage a step
 of its compiled program allocates (``AllocationMeter``: temporaries inside an op
 included)."""

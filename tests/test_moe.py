@@ -1,6 +1,6 @@
 """Mixture-of-experts models as they come: Hugging Face Mixtral and Qwen2-MoE with their
 default experts implementation (grouped_mm on this torch), captured with autopar's dense
-dispatch (autopar/ir/experts.py), trained serially, under data parallelism, a 1F1B
+dispatch (autopar/capture/experts.py), trained serially, under data parallelism, a 1F1B
 pipeline and expert parallelism on the simulator: every step's loss and the final
 parameters equal eager torch's.
 """
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import autopar as ap
+from autopar.capture.step import CaptureError, CaptureNote, capture
 from autopar.ir import Program, StateKind
 from autopar.ir.attrs import NAME
-from autopar.ir.capture import CaptureError, CaptureNote, capture
 from autopar.ir.dist import (
     DistAttr,
     Partial,
@@ -32,7 +32,7 @@ from .spmd_util import T, make_op
 
 transformers = pytest.importorskip("transformers")
 # every capture of these models says it swapped their experts dispatch (tested once below)
-pytestmark = pytest.mark.filterwarnings("ignore::autopar.ir.capture.CaptureNote")
+pytestmark = pytest.mark.filterwarnings("ignore::autopar.capture.step.CaptureNote")
 
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -365,7 +365,7 @@ def test_moe_evaluates_like_eager_with_experts_on_the_dp_axis():
 def test_dense_dispatch_equals_each_experts_layout_eager_loop(build):
     """The dense dispatch against the experts class's own eager loop, for the layouts the
     transformers interface describes (values and gradients)."""
-    from autopar.ir.experts import dense_experts_forward, is_hf_experts
+    from autopar.capture.experts import dense_experts_forward, is_hf_experts
     torch.manual_seed(0)
     experts = build()
     assert is_hf_experts(experts)

@@ -2,14 +2,15 @@
 import pytest
 import torch
 
+from autopar.capture.step import capture
 from autopar.ir import OpKind, Program, format_program, verify
-from autopar.ir.capture import capture
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.passes.context import PassContext, PlanInputs
+from autopar.passes import pass_manager
 from autopar.passes.dead_code import dead_code
 from autopar.passes.fold_noops import fold_noops
-from autopar.passes.manager import PassManager
+from autopar.planning.context import PassContext, PlanInputs
+from autopar.planning.manager import PassManager
 from autopar.strategy import Strategy
 
 
@@ -52,14 +53,14 @@ def test_dead_code_drops_unused_ops_but_keeps_results():
 
 def test_manager_refuses_unknown_disabled_pass_and_names_failing_pass():
     with pytest.raises(ValueError, match="unknown passes"):
-        PassManager(disabled=frozenset({"nope"})).run(_gpt_program(),
+        pass_manager(disabled=frozenset({"nope"})).run(_gpt_program(),
                                                       PassContext(PlanInputs.of(Strategy())))
 
     def broken(program, ctx):
         program.ops.pop(0)          # drops a definition: the verifier must catch it
         return program
 
-    from autopar.passes.manager import Pass
+    from autopar.planning.manager import Pass
     manager = PassManager(passes=(Pass("broken", broken),))
     with pytest.raises(Exception) as info:
         manager.run(_gpt_program(), PassContext(PlanInputs.of(Strategy())))
@@ -69,27 +70,27 @@ def test_manager_refuses_unknown_disabled_pass_and_names_failing_pass():
 def test_passes_keep_dumps_stable():
     a, b = _gpt_program(), _gpt_program()
     inputs = PlanInputs.of(Strategy())
-    assert format_program(PassManager().run(a, PassContext(inputs))) == \
-        format_program(PassManager().run(b, PassContext(inputs)))
+    assert format_program(pass_manager().run(a, PassContext(inputs))) == \
+        format_program(pass_manager().run(b, PassContext(inputs)))
 
 
 def test_a_pass_that_needs_a_disabled_pass_s_fact_fails_naming_it():
     """Disabling a pass that later passes depend on fails loudly before they run."""
-    from autopar.passes.context import FactError
+    from autopar.planning.context import FactError
     inputs = PlanInputs.of(Strategy())
     with pytest.raises(FactError, match="pass 'pin_annotations' needs 'mesh', made by "
                                         "settle_mesh \\(disabled\\)"):
-        PassManager(disabled=frozenset({"settle_mesh"})).run(_gpt_program(), PassContext(inputs))
+        pass_manager(disabled=frozenset({"settle_mesh"})).run(_gpt_program(), PassContext(inputs))
     with pytest.raises(FactError, match="pass 'recompute' needs 'resharded', made by "
                                         "reshard \\(disabled\\)"):
-        PassManager(disabled=frozenset({"reshard"})).run(_gpt_program(), PassContext(inputs))
+        pass_manager(disabled=frozenset({"reshard"})).run(_gpt_program(), PassContext(inputs))
     # a pass nothing later needs may be left out
-    PassManager(disabled=frozenset({"fold_noops", "bucket_collectives"})).run(
+    pass_manager(disabled=frozenset({"fold_noops", "bucket_collectives"})).run(
         _gpt_program(), PassContext(inputs))
 
 
 def test_plan_facts_are_read_only_after_the_pass_that_makes_them():
-    from autopar.passes.context import FactError, PlanState
+    from autopar.planning.context import FactError, PlanState
     state = PlanState()
     with pytest.raises(FactError, match="'mesh' is read before pass 'settle_mesh' made it"):
         state.mesh
@@ -100,8 +101,8 @@ def test_plan_facts_are_read_only_after_the_pass_that_makes_them():
 
 
 def test_a_pass_must_make_the_facts_it_declares():
-    from autopar.passes.context import Fact, FactError
-    from autopar.passes.manager import Pass
+    from autopar.planning.context import Fact, FactError
+    from autopar.planning.manager import Pass
     lazy = Pass("lazy", lambda program, ctx: program, makes=frozenset({Fact.MESH}))
     with pytest.raises(FactError, match="pass 'lazy' declares it makes \\['mesh'\\] but left"):
         PassManager(passes=(lazy,)).run(_gpt_program(), PassContext(PlanInputs.of(Strategy())))

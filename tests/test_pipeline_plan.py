@@ -10,11 +10,11 @@ import autopar as ap
 from autopar.ir import Role, verify
 from autopar.lower.executable import Recv, Send
 from autopar.lower.lowering import lower_program
-from autopar.lower.pipeline_jobs import JobId
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes.assign_phases import PipelineError
 from autopar.passes.split_stages import StageSplitError
+from autopar.pipeline.jobs import JobId
 from autopar.pipeline.phases import STAGE, Phase, homes_of
 from autopar.pipeline.schedules import build_schedule
 
@@ -371,7 +371,7 @@ class _WholeBatchFirst(nn.Module):
 
 
 def test_a_whole_batch_value_needed_before_the_micro_batches_is_refused_naming_its_reader():
-    from autopar.lower.pipeline_jobs import PipelinePlanError
+    from autopar.pipeline.jobs import PipelinePlanError
     model = _WholeBatchFirst()
     engine = ap.Engine(model, lambda out, y: (out - y).pow(2).mean(),
                        torch.optim.SGD(model.parameters(), lr=0.1),

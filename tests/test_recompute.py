@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.lower.memory import value_bytes
+from autopar.lower.memory_estimate import value_bytes
 from autopar.models.gpt import lm_loss
 from autopar.pipeline.phases import Phase
-from autopar.runtime.memory import meter_step
+from autopar.runtime.memory_meter import meter_step
 
 from .multiproc import run_ranks
 from .parity import (

@@ -34,7 +34,7 @@ from autopar.spmd.dim_transforms import (
     view_spec,
     view_transforms,
 )
-from autopar.spmd.registry import tensor_inputs
+from autopar.spmd.rule_registry import tensor_inputs
 
 from .spmd_util import MESH1, MESH2, T, forward, make_op, reverse
 

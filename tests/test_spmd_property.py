@@ -47,7 +47,7 @@ from autopar.ir.dist import (  # noqa: E402
 )
 from autopar.spmd import lookup  # noqa: E402
 from autopar.spmd.local_forms import LocalContext, local_call, run_local  # noqa: E402
-from autopar.spmd.registry import tensor_inputs  # noqa: E402
+from autopar.spmd.rule_registry import tensor_inputs  # noqa: E402
 
 CASES: dict[str, list[OpCase]] = by_target()
 MODEL_TARGETS = sorted(t for t, cs in CASES.items() if any(c.model != "synthetic" for c in cs))

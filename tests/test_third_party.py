@@ -75,7 +75,7 @@ def test_hf_evaluate_and_predict(build):
     data = lm_data()
     engine = ap.Engine(model, None)
     # eval-mode HF models return their KV cache (an object made while tracing): refused
-    with pytest.raises(ap.ir.capture.CaptureError, match="use_cache"):
+    with pytest.raises(ap.capture.CaptureError, match="use_cache"):
         engine.evaluate(data, batch_size=BATCH)
 
     model.config.use_cache = False
@@ -94,8 +94,8 @@ def test_hf_evaluate_and_predict(build):
 
 
 def test_hf_llama_ops_carry_module_paths():
+    from autopar.capture.step import capture
     from autopar.ir import OpKind, Role
-    from autopar.ir.capture import capture
 
     model = llama("sdpa")
     x = lm_data()[0][0]["input_ids"][None]

@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from op_cases import synthetic  # noqa: E402
 
 import autopar as ap  # noqa: E402
+from autopar.capture.step import capture  # noqa: E402
 from autopar.ir import OpKind, Program  # noqa: E402
 from autopar.ir.attrs import DECOMPOSES
-from autopar.ir.capture import capture  # noqa: E402
 from autopar.ir.dist import (  # noqa: E402
     DistAttr,
     Partial,
@@ -35,13 +35,14 @@ from autopar.ir.dist import (  # noqa: E402
 )
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
-from autopar.passes.context import PassContext, PlanInputs  # noqa: E402
-from autopar.passes.manager import PIPELINE, PassManager  # noqa: E402
+from autopar.passes import PIPELINE
 from autopar.passes.vocab_parallel_loss import classes_may_shard  # noqa: E402
+from autopar.planning.context import PassContext, PlanInputs  # noqa: E402
+from autopar.planning.manager import PassManager  # noqa: E402
 from autopar.reshard.comm import RESHARD_STEP
 from autopar.spmd import lookup  # noqa: E402
 from autopar.spmd.local_forms import LocalContext, local_call, run_local  # noqa: E402
-from autopar.spmd.registry import tensor_inputs  # noqa: E402
+from autopar.spmd.rule_registry import tensor_inputs  # noqa: E402
 
 from .parity import ATOL, RTOL, assert_same_losses, assert_same_params, eager_train, lm_data, twin  # noqa: E402
 

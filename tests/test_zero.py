@@ -15,7 +15,7 @@ import torch
 import autopar as ap
 from autopar.ir import StateKind
 from autopar.ir.attrs import NAME
-from autopar.lower.memory import MemoryLimitError
+from autopar.lower.memory_estimate import MemoryLimitError
 from autopar.models import MLP
 from autopar.models.gpt import lm_loss
 
@@ -161,7 +161,7 @@ def test_a_scalar_parameter_stays_replicated(stage):
     _fit_both("scaled", "adamw", _strategy(stage, 2), steps=SHORT)
 
 
-@pytest.mark.filterwarnings("ignore::autopar.ir.capture.CaptureNote")   # dense dispatch
+@pytest.mark.filterwarnings("ignore::autopar.capture.step.CaptureNote")   # dense dispatch
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_with_experts_split_over_the_data_parallel_ranks(stage):
     """Mixtral with its experts on the dp axis (tokens reach them by all-to-all) and ZeRO on

@@ -24,10 +24,10 @@ from autopar.ir.printer import value_names
 from autopar.lower.comms import member_shapes
 from autopar.lower.executable import GatherStart
 from autopar.models import GPT, GPTConfig
-from autopar.passes.manager import PassManager
+from autopar.planning.manager import PassManager
 from autopar.reshard.comm import FOR_ROLE
 from autopar.reshard.steps import AllGather
-from autopar.runtime.memory import measure_step
+from autopar.runtime.memory_meter import measure_step
 
 VOCAB, SEQ, BATCH = 64, 16, 8
 SCHEDULE = frozenset({"regather_for_backward", "prefetch_gathers", "scatter_gradients_early"})

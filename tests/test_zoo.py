@@ -22,7 +22,7 @@ import autopar as ap
 
 transformers = pytest.importorskip("transformers")
 # the mixture-of-experts models say their experts dispatch was swapped for a dense one
-pytestmark = pytest.mark.filterwarnings("ignore::autopar.ir.capture.CaptureNote")
+pytestmark = pytest.mark.filterwarnings("ignore::autopar.capture.step.CaptureNote")
 
 VOCAB, SEQ, BATCH, STEPS = 64, 12, 4, 2
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -9,4 +9,4 @@ their traits as this package loads:
 * ``rng`` — reading and setting the generator (recomputed and pipelined random ops);
 * ``optim`` — torch.optim's own update functions, one param or one param group per call.
 """
-from . import optim, pipeline, random, rng, sharded  # noqa: F401
+from . import generator_state, optim, pipeline, sharded, sliced_draws  # noqa: F401

@@ -6,8 +6,8 @@ import math
 from ...ir.attrs import MULTI
 from ...ir.core import Op
 from ...ir.ops import draws_random
-from .context import LocalCall, LocalContext, UnsupportedLocalForm
-from .registry import register_local_form
+from .form_registry import register_local_form
+from .local_call import LocalCall, LocalContext, UnsupportedLocalForm
 
 # ----------------------------------------------------------------------------------------
 # kernels that crash on empty pieces (uneven shards leave trailing ranks empty)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from ...ir.core import Op
 from ...ir.ops import schema_args
-from .context import LocalCall, LocalContext
-from .registry import register_local_form
+from .form_registry import register_local_form
+from .local_call import LocalCall, LocalContext
 
 
 def _arg(op: Op, index: int, name: str):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from ...ir.attrs import STRIDES
 from ...ir.core import Op
 from ...ir.ops import schema_args
-from .context import LocalCall, LocalContext, UnsupportedLocalForm
-from .registry import register_local_form
+from .form_registry import register_local_form
+from .local_call import LocalCall, LocalContext, UnsupportedLocalForm
 
 
 # ----------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from typing import Any, Sequence
 from ...ir.core import Op
 from ...ir.dist import Partial, Shard, local_shape
 from ...ir.ops import schema_args
-from .context import LocalCall, LocalContext
-from .registry import register_local_form
+from .form_registry import register_local_form
+from .local_call import LocalCall, LocalContext
 
 
 # ----------------------------------------------------------------------------------------

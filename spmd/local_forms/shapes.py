@@ -7,8 +7,8 @@ from typing import Any
 from ...ir.core import Op
 from ...ir.dist import Shard, local_runs
 from ...ir.ops import schema_args
-from .context import LocalCall, LocalContext
-from .registry import register_local_form
+from .form_registry import register_local_form
+from .local_call import LocalCall, LocalContext
 
 
 def _replace(seq: tuple, index: int, value: Any) -> tuple:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ...ir.attrs import DIST, ORIGIN, PINNED_DIMS
 from ...ir.dist import DistAttr, Replicate
 from ..einsum import Decision, MeshDimChoice, Option
-from ..registry import register
+from ..rule_registry import register
 
 
 def _placed(op, given: DistAttr | None) -> DistAttr:

@@ -21,7 +21,7 @@ from typing import Sequence
 from ...ir.core import Op
 from ...ir.dist import DistAttr, ProcessMesh
 from ..einsum import Decision, infer_forward, infer_reverse
-from ..registry import describe, register, tensor_inputs
+from ..rule_registry import describe, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec
 from .common import broadcast_letters, input_letters, is_tensor, schema_args
 

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Mapping
 
 from ...ir.core import Op, Value
 from ...ir.ops import given_args, schema_args  # noqa: F401  (schema_args: for the rules)
-from ..registry import output_types, tensor_inputs
+from ..rule_registry import output_types, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters, pointwise_letters
 
 

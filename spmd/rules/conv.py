@@ -12,7 +12,7 @@ from __future__ import annotations
 from ...ir.core import Op
 from ...ir.dist import DistAttr, Partial, ProcessMesh, Replicate, Shard
 from ..einsum import Decision, infer_forward, infer_reverse
-from ..registry import describe, output_types, register, tensor_inputs
+from ..rule_registry import describe, output_types, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
 from .common import schema_args
 from .matmul import BiasedProduct

@@ -5,7 +5,7 @@ sharded index letters make it Partial(sum); v cannot shard there (no input carri
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import register
+from ..rule_registry import register
 from ..spec import Spec, letters
 from .common import input_letters, schema_args
 

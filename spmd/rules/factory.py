@@ -8,7 +8,7 @@ from typing import Sequence
 from ...ir.core import Op
 from ...ir.dist import DistAttr, ProcessMesh, Replicate, Shard
 from ..einsum import Decision, MeshDimChoice, Option
-from ..registry import output_types, register
+from ..rule_registry import output_types, register
 from ..spec import Spec, letters
 from .common import elementwise
 

@@ -7,7 +7,7 @@ in the values, so a Partial input is resolved first.
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import register, tensor_inputs
+from ..rule_registry import register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
 
 

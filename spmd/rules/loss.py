@@ -11,7 +11,7 @@ batch letter). Mean squared error: see below."""
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import register
+from ..rule_registry import register
 from ..spec import Spec, letters
 from .common import broadcast_letters, input_letters, schema_args
 

@@ -14,7 +14,7 @@ from typing import Sequence
 from ...ir.core import Op
 from ...ir.dist import DistAttr, Partial, ProcessMesh
 from ..einsum import Decision, infer_forward, infer_reverse
-from ..registry import describe, output_types, register, tensor_inputs
+from ..rule_registry import describe, output_types, register, tensor_inputs
 from ..spec import Spec
 from .common import broadcast_letters, input_letters
 

@@ -3,7 +3,7 @@ dim's letter stays whole, the others pass through. All are linear in the data th
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import register
+from ..rule_registry import register
 from ..spec import UNSHARDABLE, Spec, letters
 from .common import broadcast_letters, input_letters, same_dtype, schema_args
 

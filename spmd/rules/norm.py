@@ -6,7 +6,7 @@ in grad_out."""
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import register
+from ..rule_registry import register
 from ..spec import UNSHARDABLE, Spec, letters
 from .common import input_letters, schema_args
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ...ir.dist import DistAttr, ProcessMesh, Replicate
 from ..einsum import Decision, MeshDimChoice, Option
-from ..registry import register, tensor_inputs
+from ..rule_registry import register, tensor_inputs
 
 
 class FollowParam:

@@ -6,7 +6,7 @@ through which Partial inputs pass exactly.
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import POINTWISE_FALLBACK, EinsumRule, register, tensor_inputs
+from ..rule_registry import POINTWISE_FALLBACK, EinsumRule, register, tensor_inputs
 from ..spec import Spec
 from .common import elementwise, same_dtype, schema_args
 

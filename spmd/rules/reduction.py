@@ -18,7 +18,7 @@ from typing import Iterable
 from ...ir.core import Op
 from ...ir.dist import Partial, micro_batch_dim, norm_order, norm_partial
 from ..einsum import Decision, infer_forward, infer_reverse
-from ..registry import describe, output_types, register, tensor_inputs
+from ..rule_registry import describe, output_types, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
 from .common import same_dtype, schema_args
 

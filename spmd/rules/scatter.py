@@ -12,7 +12,7 @@ linear in ``self`` and the source jointly: Partial(sum) in both passes through.
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import register
+from ..rule_registry import register
 from ..spec import UNSHARDABLE, Spec, letters
 from .common import input_letters, schema_args
 

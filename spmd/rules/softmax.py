@@ -4,7 +4,7 @@ gradient (the saved output is a constant there)."""
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import register, tensor_inputs
+from ..rule_registry import register, tensor_inputs
 from ..spec import Spec, letters
 from .common import schema_args
 

@@ -5,7 +5,7 @@ them), so Partial bases and sources pass through together."""
 from __future__ import annotations
 
 from ...ir.core import Op
-from ..registry import register
+from ..rule_registry import register
 from ..spec import Spec, letters
 from .common import elementwise, same_dtype, schema_args, shape
 

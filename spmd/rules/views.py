@@ -42,7 +42,7 @@ from ...ir.dist import (
 )
 from ..dim_transforms import MOVE_PARTIALS, view_groups, view_spec
 from ..einsum import Decision, MeshDimChoice, Option, infer_forward, infer_reverse
-from ..registry import describe, output_types, register, tensor_inputs
+from ..rule_registry import describe, output_types, register, tensor_inputs
 from ..spec import UNSHARDABLE, Spec, letters
 from .common import schema_args
 from .reduction import norms_of_every_input

@@ -7,7 +7,7 @@ from torch.utils import _pytree as pytree
 
 from ...ir.core import Op, Value
 from ...ir.ops import draws_random, resolve
-from .context import LocalCall, LocalContext, UnsupportedLocalForm
+from .local_call import LocalCall, LocalContext, UnsupportedLocalForm
 
 LocalForm = Callable[[Op, LocalContext], "LocalCall | None"]
 LOCAL_FORMS: dict[str, LocalForm] = {}

@@ -2,7 +2,7 @@
 
 An n-D change is a path through placement states (one placement per mesh dim); each edge
 is one catalogue step on one mesh dim, valid in that state. ``plan_reshard`` runs a
-shortest-path search over those states, weighted by ``reshard.cost`` bytes, so nested shards,
+shortest-path search over those states, weighted by ``reshard.traffic`` bytes, so nested shards,
 partials and S(i)->S(j) all come out of one rule set instead of special cases.
 
 Validity of a step in a state (why each rule exists):

@@ -14,7 +14,7 @@ from ..ir.dist import MICRO_BATCH_DIM, local_shape
 from ..ir.printer import value_names
 from ..ir.reason import MeshDimChoice, Reason
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, FOR_TARGET, RESHARD_STEP
-from ..reshard.cost import collective, reshard_bytes
+from ..reshard.traffic import collective, reshard_bytes
 from ..spmd import lookup
 
 

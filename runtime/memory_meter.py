@@ -1,5 +1,5 @@
 """The runtime's own account of what each process holds: bytes of live tensors as a step
-runs, measured on the real tensors (to check the plan-time estimate, ``lower.memory``).
+runs, measured on the real tensors (to check the plan-time estimate, ``lower.memory_estimate``).
 
 ``measure_step`` runs one step of a lowered plan without a pipeline on the simulator (every
 process, or the one process of a serial plan) with a ``MemoryMeter`` watching every op: it
@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..ir import OpKind, Program, Slot, Value
 from ..ir.attrs import MULTI, NAME, STATE, StateKind
 from ..lower.executable import Lowered, PipelineProcess
-from ..lower.memory import STATE_CATEGORIES
+from ..lower.memory_estimate import STATE_CATEGORIES
 from ..pipeline.phases import Phase
 from .codegen import _last_uses as last_uses  # where generated code frees values
 from .collectives import bind
@@ -40,7 +40,7 @@ from .executor import ProgramExecutor
 from .job_store import RankStore, cut_feeds
 from .pipeline_process import PipelineExecutor, logical_groups
 from .process_groups import mesh_groups
-from .rng import eager_rng_states, forked_generator
+from .seeding import eager_rng_states, forked_generator
 from .simulator import call_op, simulate_step
 
 __all__ = ["AllocationMeter", "MemoryMeter", "PipelineMeter", "RankMeter", "measure_step",
@@ -130,7 +130,7 @@ class _Process:
             self.handles.pop(v, None)
 
     def _gradient(self, op, env: dict[Value, Any]) -> None:
-        """An update op's gradient operand (its second: ``lower_optimizer``'s convention)."""
+        """An update op's gradient operand (its second: ``optimizer_updates``'s convention)."""
         if op.kind is not OpKind.CALL or not op.target.startswith("optim.") \
                 or len(op.args) < 2 or not isinstance(op.args[1], Value):
             return

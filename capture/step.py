@@ -26,10 +26,10 @@ from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from .attrs import BATCH_PATH, NAME, SLOTS, STATE
-from .core import Op, OpKind, Program, Role, Slot, StateKind, Value
+from ..ir.attrs import BATCH_PATH, NAME, SLOTS, STATE
+from ..ir.core import Op, OpKind, Program, Role, Slot, StateKind, Value
+from ..ir.from_fx import Lowering, value_type
 from .experts import dense_experts
-from .lower_fx import Lowering, value_type
 from .mixed_precision import FULL_PRECISION, Precision, device_type
 
 
@@ -273,7 +273,7 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
     """make_fx over one step; returns the graph, the step spec, the names of the
     parameters and buffers in placeholder order, and the layout of the flat results
     (``[loss] + grads + outputs``: which parameters got a gradient, how many outputs).
-    ``precision``: the forward and the loss in mixed precision (``ir/mixed_precision.py``)."""
+    ``precision``: the forward and the loss in mixed precision (``capture/mixed_precision.py``)."""
     params, buffers = _named_state(model)
     param_names, buffer_names = list(params), list(buffers)
     trainable = [n for n in param_names if params[n].requires_grad] if mode == "train" else []
@@ -390,7 +390,7 @@ def _moe_hint(model: torch.nn.Module, path: str) -> str:
     return ("It looks like a mixture-of-experts dispatch (a loop over the experts that were "
             "hit): write it densely, with no value-dependent shapes: every expert on every "
             "token, weighted by a [tokens, experts] matrix that holds each token's routing "
-            "weight for its top-k experts and zeros elsewhere (see autopar.ir.experts."
+            "weight for its top-k experts and zeros elsewhere (see autopar.capture.experts."
             "dense_experts_forward), or decorate the experts class with transformers' "
             "use_experts_implementation (3-D gate_up_proj/down_proj weights), whose "
             "modules autopar captures with that dense dispatch itself. ")
@@ -440,7 +440,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
 
     ``mode`` is ``train`` (loss and gradients), ``eval`` (loss and outputs) or ``predict``
     (outputs). Shapes are specialised to the sample batch. ``precision``: mixed precision
-    (O1 autocast, O2 half parameters), see ``ir/mixed_precision.py``.
+    (O1 autocast, O2 half parameters), see ``capture/mixed_precision.py``.
     """
     if mode not in ("train", "eval", "predict"):
         raise ValueError(f"unknown capture mode {mode!r}")
@@ -491,4 +491,4 @@ def _capture_notes(layout: dict[str, Any]) -> list[str]:
             "grouped_mm, batched_mm: shapes that depend on the routing): every expert runs on "
             "every token and each token sums its top-k experts' outputs times their routing "
             "weights, the same math with static shapes (experts/top_k times the expert "
-            "FLOPs); see autopar.ir.experts"]
+            "FLOPs); see autopar.capture.experts"]

@@ -15,7 +15,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from ..ir import Op, OpaqueType, OpKind, Program, Role, Slot, StateKind, TensorType, Value
 from ..ir.attrs import NAME, STATE
-from .context import PassContext
+from ..planning.context import PassContext
 
 
 def _zeros(param: torch.Tensor, group: dict) -> torch.Tensor:
@@ -77,7 +77,7 @@ def _state_type(param_value: Value, state: torch.Tensor | None) -> TensorType:
     return TensorType(tuple(state.shape), state.dtype)
 
 
-def lower_optimizer(program: Program, ctx: PassContext) -> Program:
+def optimizer_updates(program: Program, ctx: PassContext) -> Program:
     optimizer = ctx.inputs.optimizer
     if optimizer is None or ctx.mode != "train":
         return program

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from ..ir import Op, OpKind, Program, Slot, Value
 from ..ir.attrs import NAME, Attr
 from ..ir.printer import value_names
-from ..pipeline.layout import PipelineLayout
-from ..pipeline.phases import BOUNDARY, Phase, homes_of
-from ..pipeline.schedules import Job
-from ..pipeline.timeline import PipelineSchedule
+from .layout import PipelineLayout
+from .phases import BOUNDARY, Phase, homes_of
+from .schedules import Job, PipelineSchedule
 
 STEP = -1     # the micro-batch index of a once-a-step value or job
 
@@ -149,7 +148,7 @@ def _job_time(job: JobId, position: int, timeline_end: dict[Job, float]) -> tupl
     return (2, 0, timeline_end[Job(job.phase.value, job.stage, job.micro_batch)], position)
 
 
-class _Planner:
+class _JobsBuilder:
     def __init__(self, program: Program, layout: PipelineLayout,
                  schedule: PipelineSchedule) -> None:
         self.program, self.layout, self.schedule = program, layout, schedule
@@ -384,11 +383,11 @@ class _Planner:
                 self._read_sum(self.plans[msg.src], msg.src_job, msg.key)
 
 
-def plan_pipeline(program: Program, layout: PipelineLayout,
+def plan_jobs(program: Program, layout: PipelineLayout,
                   schedule: PipelineSchedule) -> PipelineJobs:
     """Every rank's jobs and every message of one pipelined step of ``program`` (after the
     ``assign_phases`` and ``schedule_pipeline`` passes)."""
-    plan = _Planner(program, layout, schedule).run()
+    plan = _JobsBuilder(program, layout, schedule).run()
     check_messages(plan)
     return plan
 
@@ -409,6 +408,6 @@ def check_messages(plan: PipelineJobs) -> None:
         raise AssertionError("pipeline: a job sends or receives a message the plan lacks")
 
 
-__all__ = ["JobId", "Message", "Accumulation", "RankJobs", "PipelineJobs", "plan_pipeline",
+__all__ = ["JobId", "Message", "Accumulation", "RankJobs", "PipelineJobs", "plan_jobs",
            "PipelinePlanError",
            "check_messages", "STEP"]

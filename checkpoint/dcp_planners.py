@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .layout import Box
+from .boxes import Box
 
 __all__ = ["Chunk", "BoxSavePlanner", "BoxLoadPlanner"]
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .layout import MODEL, Box
-from .planners import BoxLoadPlanner, Chunk
+from .boxes import MODEL, Box
+from .dcp_planners import BoxLoadPlanner, Chunk
 from .safetensors_file import SafetensorsWriter, TensorEntry, safetensors_path
 from .store import SafeReader, is_checkpoint
 

@@ -27,9 +27,9 @@ from ..ir import OpKind, Program, Value
 from ..ir.attrs import NAME, STATE, StateKind
 from ..ir.ops import op_info
 from ..ir.printer import value_names
+from ..pipeline.jobs import STEP
 from ..reshard.steps import AllGather
 from .executable import Lowered, PipelineProcess, RankProgram
-from .pipeline_jobs import STEP
 
 __all__ = ["Holder", "MemoryEstimate", "estimate_memory", "estimate_process",
            "MemoryLimitError", "check_memory_limit", "format_estimates", "STATE_CATEGORIES"]
@@ -123,7 +123,7 @@ def _aliases(program: Program) -> dict[Value, Value]:
     return root
 
 
-# ``lower_optimizer``'s update ops: args (param, grad, hparams, *states), results
+# ``optimizer_updates``'s update ops: args (param, grad, hparams, *states), results
 # (param, *states) -- the inputs they write, in order; the gradient is only read
 _OPTIM_READ_ONLY = (1, 2)
 

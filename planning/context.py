@@ -3,7 +3,7 @@
 * ``PlanInputs`` — chosen once by the engine for one program, never changed by a pass (and
   no pass reads the environment);
 * ``PlanState`` — the typed facts passes produce for later passes and for lowering: each
-  field is made by one pass, declared in ``manager.PIPELINE`` (``Pass.makes``). Reading a
+  field is made by one pass, declared in ``autopar.passes.PIPELINE`` (``Pass.makes``). Reading a
   fact no pass has made yet raises, naming the pass that makes it, so a disabled or
   reordered pass fails loudly instead of silently changing what later passes see.
 
@@ -20,7 +20,7 @@ import torch
 
 from ..ir.dist import DistAttr, ProcessMesh
 from ..pipeline.layout import PipelineLayout
-from ..pipeline.timeline import PipelineSchedule
+from ..pipeline.schedules import PipelineSchedule
 from ..strategy import Strategy
 from .parallel_layout import ParallelLayout
 
