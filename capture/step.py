@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from ..ir.attrs import BATCH_PATH, NAME, SLOTS, STATE
 from ..ir.core import Op, OpKind, Program, Role, Slot, StateKind, Value
-from ..ir.from_fx import Lowering, value_type
+from ..ir.from_fx import FxImporter, value_type
 from .experts import dense_experts
 from .mixed_precision import FULL_PRECISION, Precision, device_type
 
@@ -466,8 +466,8 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
                 attrs={NAME: f"batch/{i}", BATCH_PATH: path})
         placeholders.append(program.add(op).outputs[0])
 
-    lowering = Lowering(program, gm, attribute_paths=_attribute_paths(model))
-    traced = list(lowering.run(placeholders))
+    importer = FxImporter(program, gm, attribute_paths=_attribute_paths(model))
+    traced = list(importer.run(placeholders))
     results: list[tuple[Slot, Value]] = []
     if mode != "predict":
         results.append((Slot("loss"), traced.pop(0)))

@@ -1,4 +1,4 @@
-"""fx graph -> IR: walk a traced graph in order and append the ops it stands for.
+"""fx graph -> IR (import, not lowering): walk a traced graph in order and append the ops it stands for.
 
 Phase and module path come from the node metadata capture stamped; a backward op finds the
 forward op it differentiates through the autograd sequence number they share.
@@ -17,7 +17,7 @@ from .core import Op, OpaqueType, OpKind, Program, Role, StateKind, TensorType, 
 from .ops import UnknownOpError, op_info, target_name
 
 
-class LoweringError(RuntimeError):
+class FxGraphError(RuntimeError):
     pass
 
 
@@ -37,11 +37,11 @@ def _target(node_target: Any) -> str:
     try:
         return target_name(node_target)
     except UnknownOpError:
-        raise LoweringError(f"cannot lower fx target {node_target!r}: only ATen-level operators "
+        raise FxGraphError(f"cannot turn fx target {node_target!r}: only ATen-level operators "
                             "are expected after make_fx") from None
 
 
-class Lowering:
+class FxImporter:
     """Walks an fx graph in order and appends the IR ops it stands for."""
 
     def __init__(self, program: Program, gm: fx.GraphModule, default_role: Role | None = None,
@@ -68,7 +68,7 @@ class Lowering:
                 self._call(node)
             elif node.op == "output":
                 return fx.node.map_arg(node.args[0], lambda n: self.env[n])
-        raise LoweringError("traced graph has no output")
+        raise FxGraphError("traced graph has no output")
 
     def _constant(self, node: fx.Node) -> Value:
         """One CONST state per traced constant (make_fx reads a reused constant through
@@ -139,7 +139,7 @@ def _digest(tensor: torch.Tensor) -> str:
     return h.hexdigest()[:10]
 
 
-def lower_graph(program: Program, gm: fx.GraphModule, inputs: Sequence[Value], role: Role) -> Any:
+def append_graph(program: Program, gm: fx.GraphModule, inputs: Sequence[Value], role: Role) -> Any:
     """Append a traced helper graph (clipping, loss scaling, ...) to ``program`` with one role,
     reading ``inputs`` for its placeholders; returns its outputs as Values."""
-    return Lowering(program, gm, default_role=role).run(inputs)
+    return FxImporter(program, gm, default_role=role).run(inputs)

@@ -11,7 +11,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import Program, Role
-from ..ir.from_fx import lower_graph
+from ..ir.from_fx import append_graph
 from ..planning.context import PassContext
 
 
@@ -30,7 +30,7 @@ def clip_grad(program: Program, ctx: PassContext) -> Program:
         return program
     examples = [torch.empty(v.type.shape, dtype=v.type.dtype) for _, v in grads]
     gm = make_fx(lambda gs: _clip(gs, clip.max_norm, clip.norm_type), tracing_mode="fake")(examples)
-    clipped = lower_graph(program, gm, [v for _, v in grads], Role.OPTIMIZER)
+    clipped = append_graph(program, gm, [v for _, v in grads], Role.OPTIMIZER)
     new = dict(zip([s for s, _ in grads], clipped))
     program.set_results([(slot, new.get(slot, v)) for slot, v in results])
     return program

@@ -37,7 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value
 from ..ir.attrs import NAME, STATE, Attr
-from ..ir.from_fx import lower_graph
+from ..ir.from_fx import append_graph
 from ..planning.context import PassContext
 from ..strategy.sections import AmpConfig
 
@@ -151,7 +151,7 @@ def _unscale(program: Program, grads: list[Value], scale: Value) -> tuple[list[V
     gm = make_fx(_check_and_unscale, tracing_mode="fake")(
         examples, torch.empty((), dtype=torch.float32))
     first = len(program.ops) - 1      # the traced ops go in before the output op
-    *unscaled, found_inf = lower_graph(program, gm, [*grads, scale], Role.OPTIMIZER)
+    *unscaled, found_inf = append_graph(program, gm, [*grads, scale], Role.OPTIMIZER)
     for op in program.ops[first:]:
         if op.kind is OpKind.CALL:
             op.attrs[LOSS_SCALING] = "unscale and check for inf/nan"

@@ -27,7 +27,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import OpKind, Program, Role, Slot, Value
-from ..ir.from_fx import lower_graph
+from ..ir.from_fx import append_graph
 from ..planning.context import PassContext
 from .optimizer_updates import OPTIMIZER_RULES
 from .scale_loss import (
@@ -89,7 +89,7 @@ def _update_scale(program: Program, scale: Value, tracker: Value, found_inf: Val
     examples = [torch.empty((), dtype=v.type.dtype) for v in (scale, tracker, found_inf)]
     gm = make_fx(rule, tracing_mode="fake")(*examples)
     first = len(program.ops) - 1      # the traced ops go in before the output op
-    new_scale, new_tracker = lower_graph(program, gm, [scale, tracker, found_inf],
+    new_scale, new_tracker = append_graph(program, gm, [scale, tracker, found_inf],
                                          Role.OPTIMIZER)
     for op in program.ops[first:]:
         if op.kind is OpKind.CALL:
