@@ -1,4 +1,5 @@
-"""fx graph -> IR (import, not lowering): walk a traced graph in order and append the ops it stands for.
+"""fx graph -> IR: walk a traced graph in order and append the ops it stands for (an
+import into the IR; "lowering" is what makes each rank's program, ``autopar.lower``).
 
 Phase and module path come from the node metadata capture stamped; a backward op finds the
 forward op it differentiates through the autograd sequence number they share.
