@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
                           args.explain, args.locate_divergence, _auto_section(parser, args),
                           args.write_strategy))
     elif args.command == "export":
-        from .checkpoint.consolidate import consolidate
-        print(consolidate(args.checkpoint, args.out))
+        from .checkpoint import consolidate_model
+        print(consolidate_model(args.checkpoint, args.out))
     elif args.command == "calibrate":
         run_calibrate(args)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import autopar as ap
-from autopar.checkpoint.store import latest_checkpoint
+from autopar.checkpoint import latest_checkpoint
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 

@@ -1,13 +1,16 @@
 """Automatic parallelization (issue 16): candidate strategies per op from the SPMD rules, the
 integer program that picks one per op for a whole captured step (identical layers tied),
 and the planner that searches the parallel layouts and picks the strategy (``search``)."""
+from ..planning.layers import LayerClass, RepeatedLayers, layer_of, repeated_layers
 from .apply import AutoPlacements, auto_placements, pin_placements, placed_program
 from .candidates import Candidate, fused_shards, op_candidates, start_candidates
-from .layers import LayerClass, RepeatedLayers, layer_of, repeated_layers
+from .evaluate import Measured
 from .placement_ilp import PlacementChoice, solve_placements
-from .search import AutoPlan, NoPlanFits, Problem, search
+from .report import compact_yaml, format_auto_plan
+from .search import AutoPlan, NoPlanFits, Problem, search_strategy
 
 __all__ = ["Candidate", "op_candidates", "start_candidates", "fused_shards", "PlacementChoice",
            "solve_placements", "AutoPlacements", "auto_placements", "pin_placements",
            "placed_program", "LayerClass", "RepeatedLayers", "layer_of", "repeated_layers",
-           "AutoPlan", "NoPlanFits", "Problem", "search"]
+           "AutoPlan", "NoPlanFits", "Problem", "search_strategy", "Measured",
+           "compact_yaml", "format_auto_plan"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from ..ir import Op, OpKind, Program, StateKind, Value
-from ..ir.attrs import NAME
+from ..ir.attrs import NAME, STATE
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Placement, ProcessMesh, Replicate, Shard
 from ..passes.tensor_parallel_plan import style_placement
@@ -129,7 +129,7 @@ def fused_shards(program: Program, mesh: ProcessMesh) -> dict[Value, tuple[DistA
     groups (``passes.tensor_parallel_plan``: a linear's output split into pieces; the
     enumeration has no grouped shards, so without these the ILP could not choose a fused
     qkv's colwise ``S(0)x3``), one per mesh dim, and the same for the parameter's optimizer
-    states of its shape (named ``<parameter>/...``)."""
+    states of its shape (``StateKey.param``)."""
     users = program.users()
     found: dict[Value, tuple[DistAttr, ...]] = {}
     by_name: dict[str, Value] = {}
@@ -138,7 +138,7 @@ def fused_shards(program: Program, mesh: ProcessMesh) -> dict[Value, tuple[DistA
         if v.is_tensor and v.dist is None and (dists := _grouped(v, name, mesh, users)):
             found[v], by_name[name] = dists, v
     for op in program.states(StateKind.OPTIM):
-        param = by_name.get(op.attrs[NAME].rpartition("/")[0])
+        param = by_name.get(op.attrs[STATE].param)
         v = op.result
         if param is not None and v.is_tensor and v.dist is None \
                 and v.type.shape == param.type.shape:

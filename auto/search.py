@@ -39,7 +39,7 @@ from .space import Constraints, Layout, base_layouts, layout_strategy, memory_va
 from .tp_plan import nearest_tensor_parallel_plan
 from .truncate import RepeatedStack, cut_model, cut_optimizer, find_repeated_stack
 
-__all__ = ["Problem", "TensorParallelChoice", "AutoPlan", "NoPlanFits", "search"]
+__all__ = ["Problem", "TensorParallelChoice", "AutoPlan", "NoPlanFits", "search_strategy"]
 
 FASTEST_TRIED_WITH_ZERO = 3
 
@@ -104,8 +104,8 @@ class NoPlanFits(ValueError):
     """No candidate's predicted peak fits ``auto.memory_limit_gb`` (the report lists them)."""
 
 
-def search(problem: Problem, strategy: Strategy, profile: Profile, profile_note: str = ""
-           ) -> AutoPlan:
+def search_strategy(problem: Problem, strategy: Strategy, profile: Profile,
+                    profile_note: str = "") -> AutoPlan:
     """Plan ``strategy``'s ``auto`` section for ``problem``."""
     auto = strategy.auto
     if auto is None:

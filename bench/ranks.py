@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autopar.ir import StateKind
 from autopar.runtime.spawn import free_port, rank_env, wait_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,8 +166,10 @@ def held_state(engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     figures = {name: (state_bytes(m.parameters()),
                       state_bytes(v for s in opt.state.values() for v in s.values()))
                for name, (m, opt) in sides.items()}
+    keys = {n: piece.key for n, piece in engine.runtime.state.pieces.items()}
     figures[ours] = (state_bytes(t for n, t in pieces.items() if n in params),
-                     state_bytes(t for n, t in pieces.items() if n.rpartition("/")[0] in params))
+                     state_bytes(t for n, t in pieces.items()
+                                 if keys[n].kind is StateKind.OPTIM))
     out = {}
     for name in [*list(sides)[:1], ours, *baselines]:
         worst = torch.tensor(figures[name], dtype=torch.float64)

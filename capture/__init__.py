@@ -11,10 +11,12 @@ torch functions use it).
 """
 from .mixed_precision import FULL_PRECISION, Precision
 from .step import (
+    BatchDimError,
     Captured,
     CaptureError,
     CaptureNote,
     StepSpec,
+    batch_dim_of,
     batch_paths,
     call_model,
     capture,
@@ -23,5 +25,5 @@ from .step import (
 )
 
 __all__ = ["FULL_PRECISION", "Precision", "CaptureError", "CaptureNote", "Captured",
-           "StepSpec", "batch_paths", "call_model", "capture", "flatten_batch",
-           "loss_from_output"]
+           "StepSpec", "BatchDimError", "batch_dim_of", "batch_paths", "call_model", "capture",
+           "flatten_batch", "loss_from_output"]

@@ -26,8 +26,9 @@ from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from ..ir.attrs import BATCH_PATH, NAME, SLOTS, STATE
-from ..ir.core import Op, OpKind, Program, Role, Slot, StateKind, Value
+from ..ir import StateKey, state_op
+from ..ir.attrs import BATCH_PATH, NAME, SLOTS
+from ..ir.core import Op, OpKind, Program, Role, Slot, Value
 from ..ir.from_fx import FxImporter, value_type
 from .experts import dense_experts
 from .mixed_precision import FULL_PRECISION, Precision, device_type
@@ -267,6 +268,23 @@ _DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = tuple(
     ) if cls is not None)
 
 
+class BatchDimError(ValueError):
+    """A ``batch_dim`` that names no fed tensor, or a dim a fed tensor does not have."""
+
+
+def batch_dim_of(spec: int | dict[str, int], path: str, shape: tuple[int, ...]) -> int:
+    """The batch dim of the fed tensor at ``path``: the longest listed path it is under."""
+    dim = spec if isinstance(spec, int) else 0
+    if isinstance(spec, dict):
+        under = [p for p in spec if path == p or path.startswith(p + ".")]
+        if under:
+            dim = spec[max(under, key=len)]
+    if dim >= len(shape):
+        raise BatchDimError(f"batch_dim {dim} for the fed tensor {path} of shape "
+                            f"{list(shape)}: it has {len(shape)} dims")
+    return dim
+
+
 def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
                mode: str, precision: Precision | None = None
                ) -> tuple[fx.GraphModule, StepSpec, list[str], list[str], dict]:
@@ -452,13 +470,12 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
     program = Program()
     params, buffers = _named_state(model)
 
-    def state_value(name: str, tensor: torch.Tensor, kind: StateKind) -> Value:
-        op = Op(OpKind.STATE, "state", outputs=[Value(value_type(tensor))],
-                attrs={STATE: kind, NAME: name})
-        return program.add(op).outputs[0]
+    def state_value(key: StateKey, tensor: torch.Tensor) -> Value:
+        return program.add(state_op(key, value_type(tensor))).outputs[0]
 
-    placeholders: list[Value] = [state_value(n, params[n], StateKind.PARAM) for n in param_names]
-    placeholders += [state_value(n, buffers[n], StateKind.BUFFER) for n in buffer_names]
+    placeholders: list[Value] = [state_value(StateKey.of_param(n), params[n])
+                                 for n in param_names]
+    placeholders += [state_value(StateKey.of_buffer(n), buffers[n]) for n in buffer_names]
     batch_leaves, _ = flatten_batch(inputs, labels)
     for i, (leaf, path) in enumerate(zip(batch_leaves, batch_paths(inputs, labels),
                                          strict=True)):

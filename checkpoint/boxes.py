@@ -25,10 +25,12 @@ import math
 import zlib
 from dataclasses import dataclass
 
+from ..ir import StateKey, StateKind
 from ..ir.dist import Partial, local_runs, micro_batch_dim
 from ..lower.executable import StatePiece
 
-__all__ = ["Box", "piece_boxes", "writes_piece", "checkpoint_key"]
+__all__ = ["Box", "piece_boxes", "writes_piece", "checkpoint_key", "MODEL",
+           "OPTIM", "EXTRA"]
 
 MODEL, OPTIM, EXTRA = "model.", "optim.state.", "autopar."
 
@@ -94,13 +96,15 @@ def writes_piece(piece: StatePiece) -> bool:
     return index == zlib.crc32(piece.name.encode()) % count
 
 
-def checkpoint_key(state: str, module_names: set[str]) -> str:
-    """The checkpoint key of program state ``state``: ``model.<fqn>`` for a parameter or
-    buffer, ``optim.state.<fqn>.<key>`` for optimizer state ``<fqn>/<key>``,
-    ``autopar.<name>`` for the engine's own state (the loss scaler's)."""
-    if state in module_names:
-        return MODEL + state
-    owner, _, key = state.rpartition("/")
-    if owner in module_names:
-        return f"{OPTIM}{owner}.{key}"
-    return EXTRA + state
+def checkpoint_key(key: StateKey) -> str | None:
+    """The checkpoint key of a state: ``model.<fqn>`` for a parameter or buffer,
+    ``optim.state.<fqn>.<key>`` for optimizer state, ``autopar.<name>`` for the loss
+    scaler's; None for state a checkpoint leaves out (a gradient-merge accumulator: a save
+    happens between cycles, when it is zeros; a constant: the program holds it)."""
+    if key.of_module:
+        return MODEL + key.param
+    if key.kind is StateKind.OPTIM:
+        return f"{OPTIM}{key.param}.{key.key}"
+    if key.kind is StateKind.SCALER:
+        return EXTRA + key.name
+    return None

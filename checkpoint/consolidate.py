@@ -27,12 +27,12 @@ from .dcp_planners import BoxLoadPlanner, Chunk
 from .safetensors_file import SafetensorsWriter, TensorEntry, safetensors_path
 from .store import SafeReader, is_checkpoint
 
-__all__ = ["consolidate", "model_entries"]
+__all__ = ["consolidate_model", "model_entries"]
 
 DEFAULT_BUDGET = 1 << 30
 
 
-def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike,
+def consolidate_model(checkpoint: str | os.PathLike, out: str | os.PathLike,
                 budget_bytes: int = DEFAULT_BUDGET) -> Path:
     """Write the checkpoint's model tensors to ``out`` (a ``.safetensors`` file, or
     ``out/model.safetensors`` for a directory or a name without a suffix); returns the

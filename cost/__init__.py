@@ -1,5 +1,6 @@
 """The cost model: a machine profile measured by ``python -m autopar calibrate``
 (profile.py, calibrate.py) and the step-time predictor that reads it."""
+from .predict import StepTime, format_step_time, predict_step
 from .profile import (
     COLLECTIVE_KINDS,
     AlphaBeta,
@@ -11,4 +12,5 @@ from .profile import (
 )
 
 __all__ = ["AlphaBeta", "Curve", "Profile", "ProfileNotFound", "COLLECTIVE_KINDS",
-           "default_profile", "default_profile_path"]
+           "default_profile", "default_profile_path", "StepTime", "format_step_time",
+           "predict_step"]

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..ir import Op, OpKind, Program, Slot, StateKind, TensorType, Value
+from ..ir import Op, OpKind, Program, Slot, StateKey, TensorType, Value
 from ..ir.attrs import NAME, SLOTS, STATE
 from ..ir.dist import Partial, ProcessMesh, Replicate, Shard
 from ..ir.ops import resolve
@@ -281,7 +281,7 @@ def _tiny_add_program(ops: int) -> Program:
     value = TensorType((16,), torch.float32)
     x = Op(OpKind.INPUT, "input", outputs=[Value(value)], attrs={NAME: "x"})
     w = Op(OpKind.STATE, "state", outputs=[Value(value)],
-           attrs={STATE: StateKind.PARAM, NAME: "w"})
+           attrs={STATE: StateKey.of_param("w"), NAME: "w"})
     program, last = Program(), x.outputs[0]
     program.add(x)
     program.add(w)

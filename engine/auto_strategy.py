@@ -13,10 +13,9 @@ from typing import Any, Callable
 import torch
 
 from ..annotations import param_annotation
-from ..auto.evaluate import Measured
-from ..auto.search import AutoPlan, Problem, search
-from ..cost.profile import Profile, ProfileNotFound, default_profile, default_profile_path
-from ..planning.parallel_layout import ParallelLayout
+from ..auto import AutoPlan, Measured, Problem, search_strategy
+from ..cost import Profile, ProfileNotFound, default_profile, default_profile_path
+from ..planning import ParallelLayout
 from ..strategy import Strategy
 from .data import batch_size_of
 from .planner import Planner
@@ -84,4 +83,4 @@ def plan_auto(model: torch.nn.Module, loss: Callable | None,
     problem = Problem(model, loss, optimizer, inputs, labels,
                       batch_size_of(inputs, batch_dim), annotations,
                       plan_and_predict(loss, inputs, labels, profile))
-    return search(problem, strategy, profile, note)
+    return search_strategy(problem, strategy, profile, note)

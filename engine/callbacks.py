@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..checkpoint.store import prune
+from ..checkpoint import prune
 from .logging import ProgressLog
 
 Logs = dict[str, Any]

@@ -6,8 +6,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..capture.step import batch_paths, flatten_batch
-from ..passes.shard_batch import batch_dim_of
+from ..capture import batch_dim_of, batch_paths, flatten_batch
 
 
 def _split_sample(batch: Any) -> tuple[Any, Any]:

@@ -18,28 +18,22 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils import _pytree as pytree
 
-from ..auto.report import format_auto_plan
-from ..auto.search import AutoPlan
-from ..capture.step import StepSpec, flatten_batch
-from ..checkpoint.store import latest_checkpoint
-from ..cost.predict import StepTime
-from ..cost.profile import Profile, default_profile
+from ..auto import AutoPlan, format_auto_plan
+from ..capture import StepSpec, flatten_batch
+from ..checkpoint import latest_checkpoint
+from ..cost import Profile, StepTime, default_profile
 from ..ir import Program, Slot
-from ..lower.lowering import lower_program
+from ..lower import lower_program
 from ..passes import pass_manager
-from ..passes.scale_loss import FOUND_INF, SCALE_USED, scaler_state
-from ..pipeline.timeline import chrome_trace
-from ..planning.explain import explain_value, summarize
-from ..planning.parallel_layout import ParallelLayout
-from ..runtime.divergence import Divergence, locate_divergence
-from ..runtime.runtimes import DistributedRuntime, LocalRuntime
+from ..pipeline import chrome_trace
+from ..planning import ParallelLayout, explain_value, summarize
+from ..runtime import DistributedRuntime, Divergence, LocalRuntime, locate_divergence
+from ..state import RunRecord, TrainState, export_full, load_checkpoint, save_checkpoint
 from ..strategy import Strategy
 from .auto_strategy import auto_profile, plan_auto, with_auto
 from .callbacks import Callback, CallbackList, LRMonitor, ModelCheckpoint, ProgressBar
-from .checkpointing import load_checkpoint, save_checkpoint
 from .data import batch_size_of, batches
 from .launch import Launch
-from .model_state import ModelState
 from .offline import finish_offline_plan
 from .planner import PlannedStep, Planner, StepCost
 
@@ -67,7 +61,6 @@ class Engine:
         ``reset_parameters()``. Each process draws only its pieces (``meta_init``)."""
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metrics = _named_metrics(metrics)
-        self.lr_scheduler = lr_scheduler
         self.launch = Launch.from_environ(os.environ)     # the only read of the environment
         offline = self.launch.offline
         if offline is not None and offline.strategy is not None:
@@ -90,7 +83,7 @@ class Engine:
             raise ValueError(f"gradient_merge: {{k_steps: {merge.k_steps}}} accumulates "
                              "gradients for an optimizer step, but Engine(...) has no "
                              "optimizer: pass optimizer=..., or drop gradient_merge")
-        self.state = ModelState(model, optimizer, init_fn, scaler_state(self.strategy.amp))
+        self.state = TrainState(model, optimizer, lr_scheduler, init_fn)
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
             self.runtime = DistributedRuntime(
@@ -99,14 +92,38 @@ class Engine:
         else:
             self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size)
         self.planner = self._planner(layout)
-        self.global_step = 0      # optimizer steps (gradient merge: one per k_steps batches)
-        self.batches_trained = 0  # training batches run; batch i draws seed + i
-        self.epoch = 0            # fit's current epoch (the next one between epochs)
-        self.batch_in_epoch = 0   # batches of it trained: with ``epoch``, the data position
-        self.resume_at: tuple[int, int] | None = None   # set by ``load``; the next fit starts there
         self.history: dict[str, list[float]] = {}
         self.stop_training = False   # a callback sets it; fit checks it after each batch
         self.closed = False
+
+    # how far the run has trained (the training state's ``Progress``)
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (gradient merge: one per ``k_steps`` batches)."""
+        return self.state.progress.global_step
+
+    @property
+    def batches_trained(self) -> int:
+        """Training batches run (batch i draws its random numbers from ``seed + i``)."""
+        return self.state.progress.batches_trained
+
+    @property
+    def epoch(self) -> int:
+        """``fit``'s current epoch (between epochs, the next one)."""
+        return self.state.progress.epoch
+
+    @property
+    def batch_in_epoch(self) -> int:
+        """Batches of the current epoch trained: with ``epoch``, the data position."""
+        return self.state.progress.batch_in_epoch
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.state.lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        self.state.lr_scheduler = scheduler
 
     def _planner(self, layout: ParallelLayout) -> Planner:
         return Planner(self.model, self.loss, self.optimizer, self.strategy, layout,
@@ -145,9 +162,10 @@ class Engine:
                 accumulate_only: bool = False) -> Program:
         """Plan the program for a sample (global) batch without running it: in one plain
         process, for any mesh size. Dumps are written; ``explain`` answers questions.
-        ``accumulate_only``: gradient merge's training step that only accumulates."""
+        ``accumulate_only``: gradient merge's program of the batches that only accumulate
+        (the returned one is the cycle's last, which steps the optimizer)."""
         self._settle_auto(inputs, labels)
-        return self.planner.plan(mode, inputs, labels, accumulate_only).program
+        return _cycle_part(self.planner.plan(mode, inputs, labels), accumulate_only).program
 
     def cost(self, inputs: Any, labels: Any = None, mode: str = "train",
              profile: Profile | None = None) -> StepCost:
@@ -200,14 +218,14 @@ class Engine:
         differs (None: none does). Changes no state; reads the model's current values.
         ``accumulate_only``: gradient merge's step that only accumulates."""
         self._settle_auto(inputs, labels)
-        step = self.planner.plan("train", inputs, labels, accumulate_only)
+        step = _cycle_part(self.planner.plan("train", inputs, labels), accumulate_only)
         facts = step.facts
         lowered = lower_program(step.program, facts.mesh, None, None)
         self.state.materialize()
         state = dict(self.state.tensors)
         for name, piece in next(iter(lowered.processes.values())).state.items():
             if name not in state and piece.const is None:
-                state[name] = self.state.initial(name)
+                state[name] = self.state.initial(piece)
         return locate_divergence(lowered, self._feeds(inputs, labels, "train"), state,
                                  seed=self.strategy.seed if seed is None else seed,
                                  rtol=rtol, atol=atol)
@@ -218,21 +236,19 @@ class Engine:
         started more than one, and the strategy does not simulate them)."""
         return isinstance(self.runtime, DistributedRuntime)
 
-    def _ready(self, mode: str, inputs: Any, labels: Any,
-               accumulate_only: bool = False) -> PlannedStep:
+    def _ready(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
         """The planned step with its executor (made on first use)."""
         if self.closed and self.distributed:
             raise RuntimeError("this engine was closed: its process groups are gone; make a "
                                "new Engine to train again")
         self._settle_auto(inputs, labels)
-        step = self.planner.plan(mode, inputs, labels, accumulate_only)
+        step = self.planner.plan(mode, inputs, labels)
         if self.launch.offline is not None:      # ``python -m autopar plan`` ran the script
-            if accumulate_only:                  # both training programs in the dumps
-                self.planner.plan(mode, inputs, labels)
             finish_offline_plan(self, step.mode, self.launch.offline, inputs, labels)
         if step.executor is None:
             if not self.distributed:
                 self.state.materialize()      # a meta model, whole in this one process
+            self.state.learn(step.lowered.state_pieces())
             step.executor = self.runtime.executor(step.lowered, self.state.initial,
                                                   self.state.pieces)
             if step.lowered.pipeline is not None and self.strategy.debug.trace:
@@ -248,30 +264,35 @@ class Engine:
 
     # -- one step -----------------------------------------------------------------------
     def train_step(self, inputs: Any, labels: Any = None) -> float:
-        """Train on one batch; returns its loss. With ``gradient_merge`` the batch's
-        gradients are accumulated, and every ``k_steps``-th batch also runs the optimizer
-        (and then the LR scheduler, unless it is a ``ReduceLROnPlateau``: ``fit`` steps that
-        once per epoch on its metric) on their sum (their mean, ``avg``). The cycle counts
-        batches across epochs and ``fit`` calls."""
-        k = self.strategy.gradient_merge.k_steps
-        applies = (self.batches_trained + 1) % k == 0
-        step = self._ready("train", inputs, labels, accumulate_only=not applies)
-        seed = self.strategy.seed + self.batches_trained
-        if self.strategy.debug.locate_divergence and not step.checked:
-            step.checked = True
+        """Train on one batch; returns its loss. After an optimizer step the LR scheduler
+        steps (unless it is a ``ReduceLROnPlateau``: ``fit`` steps that once per epoch on
+        its metric). With ``gradient_merge`` the runtime steps through the planned cycle:
+        the batch's gradients are accumulated, and every ``k_steps``-th batch (counted
+        across epochs and ``fit`` calls) also runs the optimizer on their sum (their mean,
+        ``avg``)."""
+        step = self._ready("train", inputs, labels)
+        batch = self.state.progress.batches_trained
+        seed = self.strategy.seed + batch
+        part = _cycle_part(step, not step.lowered.steps_optimizer(batch))
+        if self.strategy.debug.locate_divergence and not part.checked:
+            part.checked = True
             found = self.locate_divergence(inputs, labels, seed=seed,
-                                           accumulate_only=not applies)
+                                           accumulate_only=part is not step)
             if found is not None:
                 raise DivergenceError(str(found))
-        results = step.executor.run(self._feeds(inputs, labels, "train"), seed=seed)
-        self._record_loss_scaling(results)
-        self.batches_trained += 1
-        if applies:
-            self.global_step += 1
-            self.optimizer._opt_called = True   # tells LR schedulers the optimizer stepped
-            if self.lr_scheduler is not None and not self._on_plateau:
-                self.lr_scheduler.step()
+        results = step.executor.run(self._feeds(inputs, labels, "train"), seed=seed,
+                                    batch=batch)
+        self._record_reports(results)
+        self.state.progress.batches_trained += 1
+        if step.lowered.steps_optimizer(batch):
+            self._after_optimizer_step()
         return float(results[Slot("loss")])
+
+    def _after_optimizer_step(self) -> None:
+        self.state.progress.global_step += 1
+        self.optimizer._opt_called = True   # tells LR schedulers the optimizer stepped
+        if self.lr_scheduler is not None and not self._on_plateau:
+            self.lr_scheduler.step()
 
     @property
     def _on_plateau(self) -> bool:
@@ -279,13 +300,15 @@ class Engine:
         Keras and Paddle step it, not once per optimizer step."""
         return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
-    def _record_loss_scaling(self, results: dict[Slot, Any]) -> None:
-        """Loss scaling: the scale this step's gradients were scaled by, and whether an inf
-        or nan skipped its update (the LR scheduler steps anyway, as eager code steps it
-        after a GradScaler step that skipped ``optimizer.step()``)."""
-        if FOUND_INF in results:
-            self.history.setdefault("loss_scale", []).append(float(results[SCALE_USED]))
-            self.history.setdefault("skipped", []).append(bool(results[FOUND_INF]))
+    def _record_reports(self, results: dict[Slot, Any]) -> None:
+        """What the step reports besides its loss goes into the history under its name: with
+        loss scaling, the scale this step's gradients were scaled by (``loss_scale``) and
+        whether an inf or nan skipped its update (``skipped``; the LR scheduler steps
+        anyway, as eager code steps it after a GradScaler step that skipped
+        ``optimizer.step()``)."""
+        for slot, value in results.items():
+            if slot.kind == "report":
+                self.history.setdefault(slot.name, []).append(value.item())
 
     def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[float | None, Any]:
         step = self._ready(mode, inputs, labels)
@@ -312,28 +335,36 @@ class Engine:
         ``ReduceLROnPlateau`` scheduler steps after each epoch on its ``val_loss`` (its mean
         training loss when there is no ``valid_data``).
 
+        ``epochs`` is the run's total, counted from its start (Lightning's ``max_epochs``;
+        Keras' ``epochs`` with ``initial_epoch``): fit continues from the run's data position
+        (the engine's, or a loaded checkpoint's) up to the end of epoch ``epochs``. So a
+        second ``fit(epochs=1)`` after one epoch trains nothing, and says so; a script
+        restarted from a checkpoint with the same call finishes the same run.
+
         Checkpoints: with ``save_dir``, a ``ModelCheckpoint`` saves ``save_dir/step_<N>``
         every ``save_freq`` optimizer steps (or each ``"epoch"``), keeping the last
         ``keep_last``. ``resume=True`` first loads the newest complete checkpoint there (if
-        any) and continues from its data position: ``epochs`` counts from the start of the
-        run, as Keras' ``initial_epoch``. So does a fit after ``engine.load``."""
+        any) and continues from its data position."""
         if self.optimizer is None:
             raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
         if resume:
             self._resume_from(save_dir)
+        progress = self.state.progress
+        start, skip = progress.epoch, progress.batch_in_epoch
+        loaded, progress.resume_at = progress.resume_at, None
+        if start >= epochs:
+            return self._nothing_to_train(epochs, loaded)
         saving = [ModelCheckpoint(save_dir, save_freq, keep_last)] if save_dir else []
         hooks = CallbackList([*saving, *(callbacks or [])], self, before=[LRMonitor()],
                              after=_progress(verbose, log_freq))
         hooks.set_params({"epochs": epochs, "verbose": verbose, "log_freq": log_freq,
                           "steps": _steps_in(train_data, batch_size, steps_per_epoch)})
         self.stop_training = False
-        start, skip = self.resume_at or (0, 0)
-        self.resume_at = None
-        if (start, skip) != (0, 0):
+        if loaded is not None and loaded != (0, 0):
             _warn_unseeded_loader(train_data, self.is_logging_rank)
         hooks.call("on_train_begin", {})
         for epoch in range(start, epochs):
-            self.epoch, self.batch_in_epoch = epoch, skip
+            progress.epoch, progress.batch_in_epoch = epoch, skip
             hooks.call("on_epoch_begin", epoch, {})
             data = batches(train_data, batch_size, collate_fn, shuffle, self.strategy.seed + epoch)
             logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip)}
@@ -344,7 +375,7 @@ class Engine:
                     self.history.setdefault(f"val_{k}", []).append(v)
                     logs[f"val_{k}"] = v
             self._step_on_plateau(logs, valid_data is not None)
-            self.epoch, self.batch_in_epoch = epoch + 1, 0
+            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
             hooks.call("on_epoch_end", epoch, logs)
             if self.stop_training:
                 break
@@ -368,7 +399,7 @@ class Engine:
                 continue
             hooks.call("on_step_begin", step, {})
             losses.append(self.train_step(inputs, labels))
-            self.batch_in_epoch = step
+            self.state.progress.batch_in_epoch = step
             self.history.setdefault("loss", []).append(losses[-1])
             hooks.call("on_step_end", step, {"loss": losses[-1]})
             if self.stop_training:
@@ -384,13 +415,29 @@ class Engine:
         if metric is not None:
             self.lr_scheduler.step(metric)
 
+    def _nothing_to_train(self, epochs: int, loaded: tuple[int, int] | None
+                          ) -> dict[str, list[float]]:
+        """A fit whose run already trained ``epochs``: it says so, and returns the history
+        (with its usual keys, empty when nothing was ever trained)."""
+        for key in ("loss", "lr"):
+            self.history.setdefault(key, [])
+        if not self.is_logging_rank:
+            return self.history
+        source = (f"the checkpoint it loaded ended at epoch {loaded[0]}, batch {loaded[1]}"
+                  if loaded is not None else "this engine has trained them")
+        warnings.warn(f"fit(epochs={epochs}): nothing to train: epochs counts the run's "
+                      f"epochs from its start, and {self.epoch} are done ({source}); pass "
+                      f"epochs={self.epoch + 1} or more to train further", stacklevel=3)
+        return self.history
+
     def _warn_mid_cycle(self) -> None:
         """Gradient merge: batches of an unfinished cycle are in no parameter yet (the next
         batches trained finish it), which a model read after ``fit`` would not show."""
-        k = self.strategy.gradient_merge.k_steps
-        if self.batches_trained % k and self.is_logging_rank:
-            warnings.warn(f"gradient_merge: fit ended {self.batches_trained % k} batch(es) "
-                          f"into a cycle of k_steps={k}: their gradients wait in the "
+        step = self.planner.last("train")
+        unfinished = step.lowered.unfinished(self.batches_trained) if step else 0
+        if unfinished and self.is_logging_rank:
+            warnings.warn(f"gradient_merge: fit ended {unfinished} batch(es) into a cycle of "
+                          f"k_steps={step.lowered.k_steps}: their gradients wait in the "
                           "accumulators for the next batches trained, and are in no "
                           "parameter yet", stacklevel=3)
 
@@ -467,12 +514,11 @@ class Engine:
         only once every process has finished (it is written as ``<path>.partial`` and
         renamed). Every process calls it."""
         if format == "full":
-            from .export import export_full
-            return export_full(self, path)
+            return export_full(self.state, self.runtime, path)
         if format != "dcp":
             raise ValueError(f"save: format={format!r} is not 'dcp' (a checkpoint) or 'full' "
                              "(a safetensors export)")
-        return save_checkpoint(self, path)
+        return save_checkpoint(self.state, self.runtime, path, self._run_record())
 
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Read a checkpoint written under any strategy into this engine's own: every
@@ -481,7 +527,13 @@ class Engine:
         position the next ``fit`` continues from. A checkpoint of another model is refused,
         naming its missing, unexpected and reshaped keys. Returns the checkpoint's trainer
         record (``strategy``: the YAML it was written under). Every process calls it."""
-        return load_checkpoint(self, path)
+        return load_checkpoint(self.state, self.runtime, path, self._run_record())
+
+    def _run_record(self) -> RunRecord:
+        """The run's facts a checkpoint records (and where its dumps go)."""
+        return RunRecord(self.strategy, self.launch.world_size,
+                         self.launch.rank if self.distributed else 0, self.dump_dir,
+                         [step.lowered for step in self.planner.steps.values()])
 
     def _resume_from(self, save_dir: str | os.PathLike | None) -> None:
         if save_dir is None:
@@ -560,6 +612,17 @@ def _warn_unseeded_loader(data: Any, logging_rank: bool) -> None:
                       "its order differs from the interrupted run's; give it "
                       "generator=torch.Generator().manual_seed(...), or pass the dataset "
                       "and fit(shuffle=True), which seeds each epoch", stacklevel=3)
+
+
+def _cycle_part(step: PlannedStep, accumulating: bool) -> PlannedStep:
+    """A training step's plan, or with ``accumulating`` its gradient-merge cycle's
+    accumulating one."""
+    if not accumulating:
+        return step
+    if step.accumulating is None:
+        raise ValueError(f"accumulate_only: the {step.mode} step accumulates gradients only "
+                         "with gradient_merge (k_steps > 1)")
+    return step.accumulating
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -20,10 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import NoReturn
 
-from ..auto.report import compact_yaml, format_auto_plan
-from ..cost.predict import format_step_time
-from ..cost.profile import Profile, ProfileNotFound, default_profile, default_profile_path
-from ..lower.memory_estimate import format_estimates
+from ..auto import compact_yaml, format_auto_plan
+from ..cost import Profile, ProfileNotFound, default_profile, default_profile_path, format_step_time
+from ..lower import format_estimates
 from ..strategy import DUMP_DIR_ENV
 from .launch import (
     PLAN_AUTO_ENV,

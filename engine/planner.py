@@ -4,6 +4,10 @@ Planning never executes: it needs the model's shapes, not its memory, so a plan 
 model too big for this machine can still be made, dumped and inspected. Each planned step
 remembers where its parameters went; later programs of the same engine (eval, predict, a
 new batch shape) keep them there, so every program reads the pieces training updates.
+
+A training step with gradient merge is a cycle of two programs, both planned from one
+capture (``passes/merge_gradients.py``): the one that accumulates and the one that applies;
+the lowered step holds both (``Lowered.accumulating``) and the runtime steps through them.
 """
 from __future__ import annotations
 
@@ -16,23 +20,20 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..annotations import param_annotation
-from ..capture.mixed_precision import Precision
-from ..capture.step import StepSpec, capture
-from ..cost.predict import StepTime, predict_step
-from ..cost.profile import Profile
-from ..ir import Program, StateKind
-from ..ir.attrs import NAME
-from ..lower.executable import Lowered
-from ..lower.lowering import Dump, lower_program
-from ..lower.memory_estimate import (
+from ..capture import Precision, StepSpec, capture
+from ..cost import Profile, StepTime, predict_step
+from ..ir import NAME, Program, StateKind
+from ..lower import (
+    Dump,
+    Lowered,
     MemoryEstimate,
     check_memory_limit,
     estimate_memory,
     format_estimates,
+    lower_program,
 )
 from ..passes import pass_manager
-from ..planning.context import PassContext, PlanInputs, PlanState
-from ..planning.parallel_layout import ParallelLayout
+from ..planning import ParallelLayout, PassContext, PlanInputs, PlanState
 from ..strategy import Strategy
 from .data import batch_size_of
 
@@ -71,6 +72,8 @@ class PlannedStep:
     lowered: Lowered
     executor: Any = None
     checked: bool = False          # its first step was checked by locate_divergence
+    # gradient merge: the planned step of the cycle's accumulating batches
+    accumulating: "PlannedStep | None" = None
     mode: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,17 +100,23 @@ class Planner:
         self.kept: dict[str, Any] = {}        # where earlier programs placed each parameter
         self.steps: dict[tuple, PlannedStep] = {}
 
-    def plan(self, mode: str, inputs: Any, labels: Any,
-             accumulate_only: bool = False) -> PlannedStep:
-        """The planned step for this mode and batch signature (planned on first use);
-        ``accumulate_only``: gradient merge's training step that only accumulates."""
-        key = (mode, _signature(inputs), _signature(labels), accumulate_only)
+    def plan(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
+        """The planned step for this mode and batch signature (planned on first use)."""
+        key = (mode, _signature(inputs), _signature(labels))
         if key not in self.steps:
             if mode == "train" and self.optimizer is None:
                 raise ValueError("training needs an optimizer: Engine(model, loss, optimizer=...)")
             with _gc_paused():
-                self.steps[key] = self._plan(mode, inputs, labels, accumulate_only)
+                self.steps[key] = self._plan_step(mode, inputs, labels)
         return self.steps[key]
+
+    def _plan_step(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
+        step = self._plan(mode, inputs, labels, accumulate_only=False)
+        k = self.strategy.gradient_merge.k_steps
+        if mode == "train" and k > 1:
+            step.accumulating = self._plan(mode, inputs, labels, accumulate_only=True)
+            step.lowered.accumulating, step.lowered.k_steps = step.accumulating.lowered, k
+        return step
 
     def last(self, mode: str) -> PlannedStep | None:
         found = [step for (m, *_), step in self.steps.items() if m == mode]

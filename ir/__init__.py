@@ -1,4 +1,5 @@
-"""The autopar IR: programs, values, printer, verifier and capture."""
+"""The autopar IR: programs, values, typed attributes, placements, printer, verifier."""
+from .attrs import NAME, STATE, Attr
 from .core import (
     Op,
     OpaqueType,
@@ -6,15 +7,18 @@ from .core import (
     Program,
     Role,
     Slot,
+    StateKey,
     StateKind,
     TensorType,
     Value,
     ValueType,
+    state_op,
 )
 from .dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
 from .printer import format_program
 from .verifier import VerificationError, verify
 
-__all__ = ["DistAttr", "Partial", "Placement", "ProcessMesh", "Replicate", "Shard", "OpaqueType",
-           "Op", "OpKind", "Program", "Role", "Slot", "StateKind", "TensorType", "Value",
-           "ValueType", "format_program", "verify", "VerificationError"]
+__all__ = ["NAME", "STATE", "Attr", "DistAttr", "Partial", "Placement", "ProcessMesh",
+           "Replicate", "Shard", "OpaqueType", "Op", "OpKind", "Program", "Role", "Slot",
+           "StateKey", "StateKind", "TensorType", "Value", "ValueType", "state_op",
+           "format_program", "verify", "VerificationError"]

@@ -7,11 +7,13 @@ pipeline op's stage and homes in ``pipeline/phases.py``, a pipeline message in
 ``pipeline/jobs.py``. The verifier checks every attribute of every op against its key,
 so a pass cannot hand a later one an untyped value.
 
-The values some of them carry are declared here too: ``StateKind`` and ``Slot``.
+The values some of them carry are declared here too: ``StateKind``, ``StateKey`` and
+``Slot``.
 
 What the IR itself records:
 
-* ``NAME``, ``STATE`` — an input's or a state's name, and what kind of state it is;
+* ``NAME``, ``STATE``, ``FILL`` — an input's or a state's name, what the state is
+  (``StateKey``) and, for state that starts at a constant, that constant;
 * ``SLOTS`` — what each result of the output op means;
 * ``CONST`` — the value of a constant state (a tensor the trace baked in);
 * ``MULTI`` — the kernel returns a sequence (even of one value);
@@ -32,9 +34,9 @@ import torch
 
 from .dist import DistAttr
 
-__all__ = ["StateKind", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME", "BATCH_PATH",
-           "REGROUP_DIMS", "STATE", "SLOTS", "CONST", "MULTI", "STRIDES", "DIST", "PINNED_DIMS",
-           "ORIGIN", "COMM_TEXT", "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
+__all__ = ["StateKind", "StateKey", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME",
+           "BATCH_PATH", "REGROUP_DIMS", "STATE", "FILL", "SLOTS", "CONST", "MULTI", "STRIDES",
+           "DIST", "PINNED_DIMS", "ORIGIN", "COMM_TEXT", "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
 
 T = TypeVar("T")
 
@@ -49,12 +51,71 @@ class StateKind(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class StateKey:
+    """What a STATE op reads, typed: its kind, the parameter it belongs to and its own key.
+    ``name`` is the program's name for it (dumps, the runtime's state dicts); nothing
+    splits a name to recover the rest. Made by capture and the passes that declare state,
+    carried by lowering into each process's ``StatePiece``.
+
+    * ``PARAM`` / ``BUFFER``: ``param`` is the module path (``blocks.0.fc1.weight``);
+    * ``OPTIM``: the optimizer state ``key`` (torch's ``exp_avg``) of parameter ``param``;
+    * ``GRAD_MERGE``: the gradient-merge accumulator of parameter ``param``;
+    * ``SCALER``: loss scaling's ``key`` (``loss_scale``, ``growth_tracker``);
+    * ``CONST``: a constant the trace baked in, named ``key``.
+    """
+
+    kind: StateKind
+    param: str = ""
+    key: str = ""
+
+    @classmethod
+    def of_param(cls, fqn: str) -> "StateKey":
+        return cls(StateKind.PARAM, fqn)
+
+    @classmethod
+    def of_buffer(cls, fqn: str) -> "StateKey":
+        return cls(StateKind.BUFFER, fqn)
+
+    @classmethod
+    def optimizer(cls, param: str, key: str) -> "StateKey":
+        return cls(StateKind.OPTIM, param, key)
+
+    @classmethod
+    def accumulator(cls, param: str) -> "StateKey":
+        return cls(StateKind.GRAD_MERGE, param)
+
+    @classmethod
+    def scaler(cls, key: str) -> "StateKey":
+        return cls(StateKind.SCALER, "", key)
+
+    @classmethod
+    def constant(cls, name: str) -> "StateKey":
+        return cls(StateKind.CONST, "", name)
+
+    @property
+    def name(self) -> str:
+        """The program's name: ``<fqn>``, ``<fqn>/<key>``, ``gradient_merge/<fqn>``,
+        ``amp/<key>`` or the constant's own."""
+        return {StateKind.PARAM: self.param, StateKind.BUFFER: self.param,
+                StateKind.OPTIM: f"{self.param}/{self.key}",
+                StateKind.GRAD_MERGE: f"gradient_merge/{self.param}",
+                StateKind.SCALER: f"amp/{self.key}", StateKind.CONST: self.key}[self.kind]
+
+    @property
+    def of_module(self) -> bool:
+        """A parameter or buffer of the model (what ``state_dict`` holds)."""
+        return self.kind in (StateKind.PARAM, StateKind.BUFFER)
+
+
+@dataclass(frozen=True)
 class Slot:
     """What one program result means: the loss, a parameter's gradient, a model output,
-    the new value of a piece of state (written back by the runtime), or what loss scaling
-    reports for the step (``amp[found_inf]``, ``amp[loss_scale]``)."""
+    the new value of a piece of state (written back by the runtime), or what the step
+    reports besides its loss (``report[loss_scale]``, ``report[skipped]``: the engine keeps
+    each in its history under the name)."""
 
-    # "loss" | "grad" | "output" | "update" | "amp"; a pipeline job's: "carry" | "accumulate"
+    # "loss" | "grad" | "output" | "update" | "report" | "scaler"; a pipeline job's:
+    # "carry" | "accumulate"
     kind: str
     name: str = ""
 
@@ -62,7 +123,7 @@ class Slot:
         return f"{self.kind}[{self.name}]" if self.name else self.kind
 
 
-SLOT_KINDS = ("loss", "grad", "output", "update", "amp", "carry", "accumulate")
+SLOT_KINDS = ("loss", "grad", "output", "update", "report", "scaler", "carry", "accumulate")
 
 
 class AttrError(TypeError):
@@ -123,7 +184,9 @@ REGROUP_DIMS: Attr[tuple] = Attr("regroup_dims", tuple,
                                  "grouped shard (passes/regroup_flattens.py)")
 BATCH_PATH: Attr[str] = Attr("path", str, "where a fed tensor sits in (inputs, labels): "
                              "inputs.input_ids, labels", shown=True)
-STATE: Attr[StateKind] = Attr("state", StateKind, "what kind of state a STATE op reads")
+STATE: Attr[StateKey] = Attr("state", StateKey, "what a STATE op reads (its NAME is the key's)")
+FILL: Attr[float] = Attr("fill", float, "the value every element of a fresh state starts "
+                        "at (a gradient-merge accumulator, the loss scale)")
 SLOTS: Attr[tuple] = Attr("slots", tuple, "what each result of the output op means",
                           element=Slot)
 CONST: Attr[torch.Tensor] = Attr("const", torch.Tensor,

@@ -15,7 +15,18 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from .attrs import CONST, NAME, SLOTS, STATE, Attr, Slot, StateKind, check_attrs  # noqa: F401
+from .attrs import (  # noqa: F401
+    CONST,
+    FILL,
+    NAME,
+    SLOTS,
+    STATE,
+    Attr,
+    Slot,
+    StateKey,
+    StateKind,
+    check_attrs,
+)
 
 if TYPE_CHECKING:
     from .dist import DistAttr
@@ -151,6 +162,15 @@ class Op:
 
 # Op arguments are nests of tuples, lists and dicts (what an fx node's args are). Walked by
 # hand: torch's pytree is general and, on programs of thousands of ops, the slow part.
+def state_op(key: StateKey, type: "TensorType | OpaqueType", role: Role = Role.FORWARD,
+             fill: float | None = None, attrs: dict[Attr, Any] | None = None) -> Op:
+    """A STATE op reading the state ``key`` (named ``key.name``); ``fill``: what every element
+    of a fresh one starts at (absent: its value comes from the model or the optimizer)."""
+    extra = {FILL: float(fill)} if fill is not None else {}
+    return Op(OpKind.STATE, "state", outputs=[Value(type)], role=role,
+              attrs={STATE: key, NAME: key.name, **extra, **(attrs or {})})
+
+
 def _collect_values(a: Any, found: list[Value]) -> None:
     if isinstance(a, Value):
         found.append(a)
@@ -232,7 +252,7 @@ class Program:
 
     def states(self, state_kind: StateKind | None = None) -> list[Op]:
         return [op for op in self.ops_of(OpKind.STATE)
-                if state_kind is None or op.attrs[STATE] is state_kind]
+                if state_kind is None or op.attrs[STATE].kind is state_kind]
 
     def users(self) -> dict[Value, list[Op]]:
         table: dict[Value, list[Op]] = {}

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .attrs import CONST, MULTI, NAME, STATE, STRIDES
-from .core import Op, OpaqueType, OpKind, Program, Role, StateKind, TensorType, Value
+from .attrs import CONST, MULTI, STRIDES, StateKey
+from .core import Op, OpaqueType, OpKind, Program, Role, TensorType, Value, state_op
 from .ops import UnknownOpError, op_info, target_name
 
 
@@ -78,9 +78,8 @@ class FxImporter:
             return self.constants[node.target]
         tensor = getattr(self.gm, node.target)
         label = self.attribute_paths.get(id(tensor), node.target)
-        op = Op(OpKind.STATE, "state", outputs=[Value(value_type(tensor))],
-                attrs={STATE: StateKind.CONST, NAME: f"const/{label}@{_digest(tensor)}",
-                       CONST: tensor})
+        op = state_op(StateKey.constant(f"const/{label}@{_digest(tensor)}"),
+                      value_type(tensor), attrs={CONST: tensor})
         self.program.ops.insert(self._state_insert_point(), op)
         op.outputs[0].producer = op
         self.constants[node.target] = op.outputs[0]

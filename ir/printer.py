@@ -61,7 +61,7 @@ def _format_op(op: Op, name: _Namer) -> str:
     if op.kind is OpKind.INPUT:
         return f"{lhs} = input {op.attrs[NAME]!r}"
     if op.kind is OpKind.STATE:
-        return f"{lhs} = state {op.attrs[STATE].value} {op.attrs[NAME]!r}"
+        return f"{lhs} = state {op.attrs[STATE].kind.value} {op.attrs[NAME]!r}"
     lhs = f"{lhs} = " if lhs else ""      # a send, an RNG restore: no results
     args = [_format_arg(a, name) for a in op.args]
     args += [f"{k}={_format_arg(v, name)}" for k, v in op.kwargs.items()]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .attrs import NAME, SLOT_KINDS, SLOTS, AttrError, check_attrs
+from .attrs import NAME, SLOT_KINDS, SLOTS, STATE, AttrError, check_attrs
 from .core import Op, OpKind, Program, Role, TensorType, Value
 
 
@@ -61,6 +61,10 @@ def verify(program: Program) -> None:
             if key in names:
                 _fail(op, f"duplicate {op.kind.value} name {op.attrs.get(NAME)!r}")
             names.add(key)
+        if op.kind is OpKind.STATE and (STATE not in op.attrs
+                                        or op.attrs[STATE].name != op.attrs.get(NAME)):
+            _fail(op, f"a state op's NAME {op.attrs.get(NAME)!r} is not its StateKey's "
+                      f"({op.attrs.get(STATE)})")
         _check_types(op)
         _check_roles(op, defined)
         try:

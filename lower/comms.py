@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..ir import Op, OpKind
-from ..ir.attrs import CONST, NAME, STATE, StateKind
+from ..ir.attrs import CONST, FILL, STATE, StateKind
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, local_shape
 from ..reshard import plan_reshard
 from ..reshard.comm import BUCKET_STEPS, RESHARD_STEP
@@ -90,10 +90,10 @@ def state_piece(op: Op, coordinate: Sequence[int], owner: int | None = None) -> 
     ``coordinate`` holds, and how to gather it whole."""
     if op.kind is not OpKind.STATE:
         raise ValueError(f"{op.target}: not a state op")
-    value, name = op.result, op.attrs[NAME]
-    const = op.attrs.get(CONST) if op.attrs[STATE] is StateKind.CONST else None
+    value, key = op.result, op.attrs[STATE]
+    const = op.attrs.get(CONST) if key.kind is StateKind.CONST else None
     shape = tuple(value.type.shape)
     gather = () if value.dist is None else _gather_steps(
         shape, value.dist, value.type.dtype.itemsize, coordinate)
-    return StatePiece(name, shape, value.type.dtype, value.dist, tuple(coordinate), const,
-                      gather, owner)
+    return StatePiece(key, shape, value.type.dtype, value.dist, tuple(coordinate), const,
+                      gather, owner, op.attrs.get(FILL))

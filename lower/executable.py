@@ -20,7 +20,7 @@ from typing import Union
 
 import torch
 
-from ..ir import Op, Program, Slot
+from ..ir import Op, Program, Slot, StateKey
 from ..ir.dist import DistAttr, ProcessMesh
 from ..pipeline.jobs import JobId, Message, PipelineJobs, RankJobs
 from ..pipeline.layout import PipelineLayout
@@ -106,9 +106,11 @@ Comm = Union[StepComm, BucketStart, BucketWait, GatherStart, GatherWait, Scatter
 
 @dataclass(frozen=True)
 class StatePiece:
-    """A process's piece of one state value (parameter, buffer, optimizer state, constant)."""
+    """A process's piece of one state value (parameter, buffer, optimizer state, constant),
+    with its typed key (what it is, whose it is) and, for state that starts at a constant,
+    that constant (``fill``): what the training state needs to make its starting value."""
 
-    name: str
+    key: StateKey
     shape: Shape                     # global
     dtype: torch.dtype
     dist: DistAttr | None            # None: whole (serial)
@@ -116,6 +118,12 @@ class StatePiece:
     const: torch.Tensor | None = None            # a constant's whole value
     gather: tuple[StepComm, ...] = ()            # the steps back to the whole tensor
     owner: int | None = None         # pipelines: the pp position whose copy is the value
+    fill: float | None = None        # a fresh value's every element (None: from the model,
+                                     # the optimizer or ``const``)
+
+    @property
+    def name(self) -> str:
+        return self.key.name
 
 
 @dataclass(frozen=True)
@@ -177,6 +185,31 @@ class Lowered:
     jobs: PipelineJobs | None = None
     draws_random: bool = False
     random_ops: tuple[tuple[str, Op], ...] = field(default=())
+    # gradient merge: the training step is a cycle of ``k_steps`` batches; the first k-1 run
+    # ``accumulating`` (gradients summed, no update) and the k-th runs this program
+    accumulating: "Lowered | None" = None
+    k_steps: int = 1
+
+    def steps_optimizer(self, batch: int) -> bool:
+        """Whether the run's ``batch``-th training batch (0-based) steps the optimizer:
+        every batch, or with gradient merge the last of each cycle of ``k_steps``."""
+        return (batch + 1) % self.k_steps == 0
+
+    def program_for(self, batch: int) -> "Lowered":
+        """What the run's ``batch``-th training batch runs (the runtime steps through a
+        gradient-merge cycle with it)."""
+        if self.accumulating is None or self.steps_optimizer(batch):
+            return self
+        return self.accumulating
+
+    def unfinished(self, batches: int) -> int:
+        """Batches of a gradient-merge cycle trained after ``batches`` without their update."""
+        return batches % self.k_steps
+
+    def state_pieces(self) -> list[StatePiece]:
+        """Every lowered process's state pieces (the accumulating program's too)."""
+        pieces = [p for made in self.processes.values() for p in made.state.values()]
+        return pieces + (self.accumulating.state_pieces() if self.accumulating else [])
 
     def process(self, process: int) -> RankProgram | PipelineProcess:
         if process not in self.processes:

@@ -258,7 +258,7 @@ def _liveness(program: Program, extra: int = 0, carried: frozenset[str] = frozen
 def _categorize(est: MemoryEstimate, program: Program, live: _Liveness) -> None:
     for op in program.ops_of(OpKind.STATE):
         if op.result.is_tensor:
-            cat = STATE_CATEGORIES.get(op.attrs.get(STATE), "buffers")
+            cat = STATE_CATEGORIES.get(op.attrs[STATE].kind, "buffers")
             setattr(est, cat, getattr(est, cat) + value_bytes(op.result))
 
 
@@ -306,7 +306,7 @@ def _pipeline_estimate(made: PipelineProcess) -> MemoryEstimate:
         _finish(rank, job.phase, values, terms)
         for op in program.ops_of(OpKind.STATE):
             if op.result.is_tensor:
-                states.setdefault(op.attrs[NAME], (op.attrs.get(STATE), value_bytes(op.result)))
+                states.setdefault(op.attrs[NAME], (op.attrs[STATE].kind, value_bytes(op.result)))
         held = sum(values.values()) + sum(terms.values())
         carried = frozenset(key for key, _ in rank.carried_in.get(job, ()))
         live = _liveness(program, held, carried)

@@ -263,8 +263,8 @@ class _PhaseAssignment:
             if v not in self.per_mb or op.kind is OpKind.INPUT or op in cone:
                 continue
             cone.add(op)
-            if any(u.producer.kind is OpKind.STATE and u.producer.attrs[STATE] is StateKind.PARAM
-                   for u in op.inputs):
+            if any(u.producer.kind is OpKind.STATE
+                   and u.producer.attrs[STATE].kind is StateKind.PARAM for u in op.inputs):
                 reader = boundary.attrs.get(FOR_TARGET, "an op")
                 raise PipelineError(
                     f"{reader} ({boundary.module or 'top level'}) needs the whole batch, "

@@ -68,7 +68,7 @@ def _param_of_gradient_cast(op: Op) -> str | None:
     while source is not None and source.target == ANNOTATE:    # a ZeRO-3 gather's pin
         source = source.inputs[0].producer
     if source is None or source.kind is not OpKind.STATE or \
-            source.attrs.get(STATE) is not StateKind.PARAM:
+            source.attrs[STATE].kind is not StateKind.PARAM:
         return None
     return source.attrs[NAME]
 

@@ -14,8 +14,8 @@ An accumulating step drops every result computed from the gradients (a state wit
 update keeps its value): amp's loss-scaling check and scale update run once per optimizer
 step, on the merged gradients, as ``GradScaler`` does with accumulation.
 
-An accumulator is the state ``gradient_merge/<param FQN>`` (``StateKind.GRAD_MERGE``: not
-``<param>/<key>``, the namespace the engine exposes as torch's optimizer state), placed
+An accumulator is the state ``StateKey.accumulator(<param FQN>)`` (named
+``gradient_merge/<param FQN>``; it starts at zeros, its ``FILL``), placed
 exactly like the gradient as the backward makes it: a ``Partial(sum)`` over dp stays a
 partial sum on each rank, so nothing communicates until the apply program, where reshard
 puts the all-reduce (ZeRO: the reduce-scatter) once, on the merged gradient. In a pipeline
@@ -30,8 +30,8 @@ the cast that reads them reduced. Each merge op says what it does in the dumps
 """
 from __future__ import annotations
 
-from ..ir import Op, OpKind, Program, Role, Slot, StateKind, Value
-from ..ir.attrs import NAME, STATE, Attr
+from ..ir import Op, OpKind, Program, Role, Slot, StateKey, Value, state_op
+from ..ir.attrs import NAME, Attr
 from ..ir.dist import DistAttr, Replicate, micro_batch_dim
 from ..ir.reason import Reason
 from ..pipeline.phases import STAGE
@@ -39,22 +39,10 @@ from ..planning.context import PassContext
 from .dead_code import dead_code
 from .zero_sharding import from_backward
 
-__all__ = ["merge_gradients", "MERGE", "accumulator_name", "accumulated_param"]
+__all__ = ["merge_gradients", "MERGE"]
 
 MERGE: Attr[str] = Attr("merge", str, "a gradient-merge op: what it does to whose gradient",
                         shown=True)
-PREFIX = "gradient_merge/"
-
-
-def accumulator_name(param: str) -> str:
-    return f"{PREFIX}{param}"
-
-
-def accumulated_param(state: str) -> str | None:
-    """The parameter whose gradient state ``state`` accumulates (None: not an accumulator)."""
-    return state[len(PREFIX):] if state.startswith(PREFIX) else None
-
-
 class GradientMergeError(ValueError):
     """A program whose gradients cannot be merged as planned."""
 
@@ -141,8 +129,7 @@ def _accumulate(program: Program, name: str, g: Value, role: Role) -> Value:
     """``acc + g``, placed like the accumulator, right after the gradient is made."""
     dist = _accumulator_dist(g)
     made = g.producer
-    state = Op(OpKind.STATE, "state", outputs=[Value(g.type)], role=role,
-               attrs={STATE: StateKind.GRAD_MERGE, NAME: accumulator_name(name)})
+    state = state_op(StateKey.accumulator(name), g.type, role, fill=0.0)
     _place(state, dist, f"gradient merge: accumulates {name}'s gradient where it is made")
     stage = _stage_of(g) if role is Role.OPTIMIZER else None
     add = Op(OpKind.CALL, "aten.add.Tensor", (state.result, g), outputs=[Value(g.type)],
@@ -196,7 +183,7 @@ def _apply(program: Program, name: str, g: Value, total: Value, users: dict[Valu
                attrs={MERGE: f"reset {name}", **stage})
     _place(reset, total.dist, f"gradient merge: {name}'s accumulator starts again")
     program.add(reset)
-    _set_results(program, program.results() + [(Slot("update", accumulator_name(name)),
+    _set_results(program, program.results() + [(Slot("update", StateKey.accumulator(name).name),
                                                  reset.result)])
 
 
@@ -214,7 +201,7 @@ def _accumulate_only(program: Program, ctx: PassContext, gradients: dict[str, Va
         raise GradientMergeError(f"gradient_merge: results {lost} are computed from the "
                                  "gradients, so a step that only accumulates cannot make them")
     results = [(s, v) for s, v in program.results() if v.producer not in dropped]
-    results += [(Slot("update", accumulator_name(n)), v) for n, v in merged.items()]
+    results += [(Slot("update", StateKey.accumulator(n).name), v) for n, v in merged.items()]
     program.ops = [op for op in program.ops if op not in dropped]
     _set_results(program, results)
     program = dead_code(program, ctx)

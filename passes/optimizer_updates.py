@@ -1,74 +1,31 @@
 """Append the optimizer's update as IR ops (role=opt), one op per parameter.
 
-Each torch.optim class maps to an entry saying which IR op updates a parameter, which state
-it carries and how that state starts (as torch's ``_init_group`` would make it). Adding an
-optimizer is adding an entry. Gradient results are consumed; each updated parameter and
-state becomes an ``update`` result that the runtime writes back.
+Each torch.optim class maps to an entry of ``ir.kernels.optim.OPTIMIZER_RULES`` saying
+which IR op updates a parameter, which state it carries and how that state starts (as
+torch's ``_init_group`` would make it). Adding an optimizer is adding an entry. Gradient
+results are consumed; each updated parameter and state becomes an ``update`` result that the runtime
+writes back; each state is declared with its typed key (``StateKey.optimizer``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
-from torch.optim.optimizer import _get_scalar_dtype
 
-from ..ir import Op, OpaqueType, OpKind, Program, Role, Slot, StateKind, TensorType, Value
-from ..ir.attrs import NAME, STATE
+from ..ir import (
+    Op,
+    OpaqueType,
+    OpKind,
+    Program,
+    Role,
+    Slot,
+    StateKey,
+    StateKind,
+    TensorType,
+    Value,
+    state_op,
+)
+from ..ir.attrs import NAME
+from ..ir.kernels.optim import OptimizerRule, initial_state, rule_for
 from ..planning.context import PassContext
-
-
-def _zeros(param: torch.Tensor, group: dict) -> torch.Tensor:
-    return torch.zeros_like(param, memory_format=torch.preserve_format)
-
-
-def _step(param: torch.Tensor, group: dict) -> torch.Tensor:
-    on_device = group.get("capturable", False) or group.get("fused", False)
-    dtype = _get_scalar_dtype(is_fused=group.get("fused", False))
-    return torch.zeros((), dtype=dtype, device=param.device if on_device else None)
-
-
-def _absent(param: torch.Tensor, group: dict) -> None:
-    return None   # torch.optim.SGD makes the momentum buffer from the first gradient
-
-
-@dataclass(frozen=True)
-class OptimizerRule:
-    target: str
-    states: Callable[[dict], tuple[tuple[str, Callable], ...]]
-
-
-def _adam_states(group: dict) -> tuple:
-    states = (("exp_avg", _zeros), ("exp_avg_sq", _zeros), ("step", _step))
-    return states + ((("max_exp_avg_sq", _zeros),) if group["amsgrad"] else ())
-
-
-OPTIMIZER_RULES: dict[type, OptimizerRule] = {
-    torch.optim.SGD: OptimizerRule("optim.sgd", lambda g: (("momentum_buffer", _absent),)),
-    torch.optim.Adam: OptimizerRule("optim.adam", _adam_states),
-    torch.optim.AdamW: OptimizerRule("optim.adam", _adam_states),
-}
-
-
-def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
-    try:
-        return OPTIMIZER_RULES[type(optimizer)]
-    except KeyError:
-        known = ", ".join(sorted(c.__name__ for c in OPTIMIZER_RULES))
-        raise NotImplementedError(
-            f"autopar cannot lower optimizer {type(optimizer).__qualname__}: supported are "
-            f"{known} (subclasses too can override step(), so they are refused)") from None
-
-
-def initial_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
-                  like: torch.Tensor | None = None) -> dict:
-    """The optimizer state of ``param``: the optimizer's own if it has one (a resumed run),
-    else what torch would create on the first step, made like ``like`` (planning passes a
-    meta tensor: it needs the state's types, not its memory)."""
-    existing = optimizer.state.get(param, {})
-    template = param if like is None else like
-    return {name: existing[name] if name in existing else make(template, group)
-            for name, make in rule_for(optimizer).states(group)}
 
 
 def _state_type(param_value: Value, state: torch.Tensor | None) -> TensorType:
@@ -104,8 +61,7 @@ def optimizer_updates(program: Program, ctx: PassContext) -> Program:
 def _declare_states(program: Program, name: str, param: Value, state: dict) -> dict[str, Value]:
     declared = {}
     for key, tensor in state.items():
-        op = Op(OpKind.STATE, "state", outputs=[Value(_state_type(param, tensor))],
-                role=Role.OPTIMIZER, attrs={STATE: StateKind.OPTIM, NAME: f"{name}/{key}"})
+        op = state_op(StateKey.optimizer(name, key), _state_type(param, tensor), Role.OPTIMIZER)
         declared[key] = program.add(op).result
     return declared
 

@@ -1,10 +1,13 @@
 """Recompute (activation checkpointing): the backward of a matched module runs its forward
 again instead of keeping what the forward made.
 
-``recompute: {enable: true, modules: ["blocks.*"], policy: full | selective}``. Each module
-instance a pattern matches (the outermost: ``blocks.*`` matches ``blocks.0``, not also
-``blocks.0.attn``) is a *segment*: its forward ops (calls, and the collectives reshard put
-in it, but not a ZeRO-3 gather of a parameter, which ``regather_for_backward`` handles).
+``recompute: {enable: true, modules: ["blocks.*"], policy: full | selective}``; without
+``modules``, every repeated layer (each instance of a module list of identical layers,
+``planning.layers``: the layers the auto planner ties; torchtitan's and Paddle's default),
+named in the report. Each module instance a pattern matches (the outermost: ``blocks.*``
+matches ``blocks.0``, not also ``blocks.0.attn``) is a *segment*: its forward ops (calls,
+and the collectives reshard put in it, but not a ZeRO-3 gather of a parameter, which
+``regather_for_backward`` handles).
 The values a segment makes and its own backward reads are dropped: clones of the segment's
 ops that make them run again, from the segment's kept values, just before the first such
 backward op, and those backward ops read the clones. The originals die after their last
@@ -43,9 +46,10 @@ from ..ir.kernels.generator_state import RNG_STATE
 from ..ir.ops import draws_random, op_info
 from ..ir.printer import value_names
 from ..planning.context import PassContext
+from ..planning.layers import repeated_layers
 from ..reshard.comm import FOR_ROLE
 
-__all__ = ["recompute", "format_recompute", "RECOMPUTE", "segments", "Segment"]
+__all__ = ["recompute", "format_recompute", "RECOMPUTE", "segments", "modules_of", "Segment"]
 
 RECOMPUTE: Attr[str] = Attr("recompute", str, "a recomputed op's (or a saved generator "
                             "state's) recompute policy: full or selective", shown=True)
@@ -75,11 +79,26 @@ def recompute(program: Program, ctx: PassContext) -> Program:
     pipelined = ctx.state.pipeline is not None
     position = {op: i for i, op in enumerate(program.ops)}
     before: dict[Op, list[Op]] = {}
-    for segment in segments(program, config.modules):
+    for segment in segments(program, modules_of(program, config.modules)):
         _Recompute(program, segment, config.policy, pipelined, before).run(position)
     if before:
         program.ops = [new for op in program.ops for new in before.get(op, []) + [op]]
     return program
+
+
+def modules_of(program: Program, patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """What to recompute: the strategy's patterns, or every repeated layer when it gives
+    none (an error naming the problem when the model has none)."""
+    if patterns:
+        return patterns
+    layers = tuple(f"{c.container}.{i}" for c in repeated_layers(program).classes
+                   for i in c.indices)
+    if not layers:
+        raise ValueError("recompute: {enable: true} without modules recomputes every repeated "
+                         "layer (the instances of a module list of identical layers), and "
+                         "this model has none: name the modules to recompute, e.g. "
+                         "recompute: {enable: true, modules: [\"encoder.*\"]}")
+    return layers
 
 
 def segments(program: Program, patterns: tuple[str, ...]) -> list[Segment]:
@@ -232,7 +251,11 @@ def format_recompute(program: Program, ctx: PassContext) -> str:
                 "full recompute)" if config.policy == "full" else
                 "matmul, attention and collective results are kept, the ops between them run "
                 "again; kept collective results mean no extra communication in the backward")]
-    for segment in segments(program, config.modules):
+    found = segments(program, modules_of(program, config.modules))
+    if not config.modules:
+        lines.append("modules: every repeated layer (no modules given): "
+                     + ", ".join(s.path for s in found))
+    for segment in found:
         mine = [op for op in clones if segment.holds(op.module)]
         lines += [""] + _segment_lines(segment, mine, names)
     return "\n".join(lines) + "\n"
@@ -269,7 +292,7 @@ def _segment_lines(segment: Segment, clones: list[Op], names: dict) -> list[str]
 def _who(v: Value) -> str:
     op = v.producer
     if op.kind is OpKind.STATE:
-        return op.attrs[STATE].value      # a parameter, buffer or constant
+        return op.attrs[STATE].kind.value      # a parameter, buffer or constant
     return f"{_short(op.target)} {op.module or '-'}"
 
 

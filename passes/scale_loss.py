@@ -22,34 +22,39 @@ through, ``spmd/rules/views.py``). Under plain data parallelism the gradients ar
 all-reduced anyway (an inf or nan on any rank reaches every rank's sum), so the flag needs
 none.
 
-The program reports ``amp[found_inf]`` (0. or 1., float32 like GradScaler's) and
-``amp[loss_scale]`` (the scale this step's gradients were scaled by);
-``skip_nonfinite_steps`` reads them once the optimizer is lowered. The unscale reads the
-gradient values the backward makes, so gradient merge (``passes/merge_gradients.py``)
-composes as GradScaler does with accumulation: its accumulate-only program is only seeded
-with the scale and sums scaled gradients; its apply program checks and unscales the sum
-(the scale stays the same through a cycle: it only moves with an optimizer step).
+The scaler's state starts as ``GradScaler`` makes it: the scale state (``amp/loss_scale``)
+declares its start (``init_scale``, or the static scale) as the state's fill, so nothing
+outside the passes makes it. The program reports, for the engine's history,
+``report[loss_scale]`` (the scale this step's gradients were scaled by) and
+``report[skipped]`` (whether an inf or nan skips the update), and hands
+``scaler[found_inf]`` (0. or 1., float32 like GradScaler's) to ``skip_nonfinite_steps``.
+The unscale reads the gradient values the backward makes, so gradient merge
+(``passes/merge_gradients.py``) composes as GradScaler does with accumulation: its
+accumulate-only program is only seeded with the scale and sums scaled gradients; its apply
+program checks and unscales the sum (the scale stays the same through a cycle: it only
+moves with an optimizer step).
 """
 from __future__ import annotations
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ir import Op, OpKind, Program, Role, Slot, StateKind, TensorType, Value
-from ..ir.attrs import NAME, STATE, Attr
+from ..ir import Op, OpKind, Program, Role, Slot, StateKey, TensorType, Value, state_op
+from ..ir.attrs import Attr
 from ..ir.from_fx import append_graph
 from ..planning.context import PassContext
 from ..strategy.sections import AmpConfig
 
-__all__ = ["LOSS_SCALING", "LOSS_SCALE", "GROWTH_TRACKER", "FOUND_INF", "SCALE_USED",
-           "scaler_state", "declare_scaler_state", "scales_loss", "scale_loss", "ScaleLossError"]
+__all__ = ["LOSS_SCALING", "LOSS_SCALE", "GROWTH_TRACKER", "FOUND_INF", "SCALE_USED", "SKIPPED",
+           "declare_scaler_state", "scales_loss", "scale_loss", "ScaleLossError"]
 
 LOSS_SCALING: Attr[str] = Attr("loss_scaling", str, "what an op does for loss scaling "
                                "(passes/scale_loss.py, passes/skip_nonfinite_steps.py)",
                                shown=True)
 # the scaler's state, as GradScaler keeps it (``_scale``, ``_growth_tracker``)
-LOSS_SCALE, GROWTH_TRACKER = "amp/loss_scale", "amp/growth_tracker"
-FOUND_INF, SCALE_USED = Slot("amp", "found_inf"), Slot("amp", "loss_scale")
+LOSS_SCALE, GROWTH_TRACKER = StateKey.scaler("loss_scale"), StateKey.scaler("growth_tracker")
+FOUND_INF = Slot("scaler", "found_inf")
+SCALE_USED, SKIPPED = Slot("report", "loss_scale"), Slot("report", "skipped")
 
 _SEED = "aten.ones_like.default"
 
@@ -64,37 +69,29 @@ def scales_loss(amp: AmpConfig, mode: str) -> bool:
     return amp.loss_scale is not None and mode == "train"
 
 
-def scaler_state(amp: AmpConfig) -> dict[str, torch.Tensor]:
-    """The scaler's starting state, as ``GradScaler`` makes it (an fp32 scale, an int32
-    count of clean steps since the last change); {} without loss scaling."""
-    if amp.loss_scale is None:
-        return {}
-    start = amp.init_scale if amp.loss_scale == "dynamic" else amp.loss_scale
-    state = {LOSS_SCALE: torch.full((), start, dtype=torch.float32)}
-    if amp.loss_scale == "dynamic":
-        state[GROWTH_TRACKER] = torch.full((), 0, dtype=torch.int32)
-    return state
-
-
 def scale_loss(program: Program, ctx: PassContext) -> Program:
     grads = [(slot, v) for slot, v in program.results() if slot.kind == "grad"]
     if not scales_loss(ctx.strategy.amp, ctx.mode) or not grads:
         return program
-    scale = declare_scaler_state(program, LOSS_SCALE, torch.float32)
+    amp = ctx.strategy.amp
+    start = amp.init_scale if amp.loss_scale == "dynamic" else amp.loss_scale
+    scale = declare_scaler_state(program, LOSS_SCALE, torch.float32, start)
     _seed_with(program, scale)
     if ctx.inputs.accumulate_only:    # gradient merge: the scaled gradients are summed first
         return program
-    unscaled, found_inf = _unscale(program, [v for _, v in grads], scale)
+    unscaled, found_inf, skipped = _unscale(program, [v for _, v in grads], scale)
     new = dict(zip([s for s, _ in grads], unscaled))
     results = [(slot, new.get(slot, v)) for slot, v in program.results()]
-    program.set_results(results + [(FOUND_INF, found_inf), (SCALE_USED, scale)])
+    program.set_results(results + [(FOUND_INF, found_inf), (SCALE_USED, scale),
+                                   (SKIPPED, skipped)])
     return program
 
 
-def declare_scaler_state(program: Program, name: str, dtype: torch.dtype) -> Value:
-    """A 0-dim scaler state, declared with the other states at the top of the program."""
-    op = Op(OpKind.STATE, "state", outputs=[Value(TensorType((), dtype))],
-            attrs={STATE: StateKind.SCALER, NAME: name})
+def declare_scaler_state(program: Program, key: StateKey, dtype: torch.dtype,
+                         fill: float) -> Value:
+    """A 0-dim scaler state starting at ``fill``, declared with the other states at the top
+    of the program."""
+    op = state_op(key, TensorType((), dtype), fill=fill)
     at = next(i for i, o in enumerate(program.ops) if o.kind not in (OpKind.INPUT, OpKind.STATE))
     program.ops.insert(at, op)
     op.outputs[0].producer = op
@@ -134,7 +131,7 @@ def _mark_readers(program: Program, value: Value, text: str) -> None:
 
 
 def _check_and_unscale(grads: list[torch.Tensor], scale: torch.Tensor
-                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
+                       ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     # GradScaler._unscale_grads_: the reciprocal in double, rounded to float
     inv_scale = scale.double().reciprocal().float()
     # |g| * 0 is nan exactly where g is inf or nan (0 elsewhere): a sum of them is nan iff
@@ -142,17 +139,18 @@ def _check_and_unscale(grads: list[torch.Tensor], scale: torch.Tensor
     # not linear, so a Partial gradient is summed before it is checked: a sum over ranks
     # that overflows is caught, as eager's one-device gradient would be.
     probe = torch.stack([(g.abs() * 0).sum(dtype=torch.float32) for g in grads]).sum()
-    found_inf = torch.isnan(probe).float()
-    return [g * inv_scale for g in grads], found_inf
+    skipped = torch.isnan(probe)
+    return [g * inv_scale for g in grads], skipped.float(), skipped
 
 
-def _unscale(program: Program, grads: list[Value], scale: Value) -> tuple[list[Value], Value]:
+def _unscale(program: Program, grads: list[Value], scale: Value
+             ) -> tuple[list[Value], Value, Value]:
     examples = [torch.empty(v.type.shape, dtype=v.type.dtype) for v in grads]
     gm = make_fx(_check_and_unscale, tracing_mode="fake")(
         examples, torch.empty((), dtype=torch.float32))
     first = len(program.ops) - 1      # the traced ops go in before the output op
-    *unscaled, found_inf = append_graph(program, gm, [*grads, scale], Role.OPTIMIZER)
+    *unscaled, found_inf, skipped = append_graph(program, gm, [*grads, scale], Role.OPTIMIZER)
     for op in program.ops[first:]:
         if op.kind is OpKind.CALL:
             op.attrs[LOSS_SCALING] = "unscale and check for inf/nan"
-    return list(unscaled), found_inf
+    return list(unscaled), found_inf, skipped

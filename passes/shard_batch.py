@@ -4,6 +4,7 @@ in turn). The batch dim is 0 unless the strategy's ``batch_dim`` says otherwise,
 tensors or per tensor by its path in the batch (``inputs.input_ids``, ``labels``)."""
 from __future__ import annotations
 
+from ..capture import BatchDimError, batch_dim_of
 from ..ir import OpKind, Program
 from ..ir.attrs import BATCH_PATH, NAME
 from ..ir.dist import MICRO_BATCH_DIM, DistAttr, Shard
@@ -11,24 +12,7 @@ from ..ir.reason import Reason
 from ..planning.context import PassContext
 from ..planning.pinning import pin
 
-__all__ = ["shard_batch", "BatchDimError", "batch_dim_of"]
-
-
-class BatchDimError(ValueError):
-    """A ``batch_dim`` that names no fed tensor, or a dim a fed tensor does not have."""
-
-
-def batch_dim_of(spec: int | dict[str, int], path: str, shape: tuple[int, ...]) -> int:
-    """The batch dim of the fed tensor at ``path``: the longest listed path it is under."""
-    dim = spec if isinstance(spec, int) else 0
-    if isinstance(spec, dict):
-        under = [p for p in spec if path == p or path.startswith(p + ".")]
-        if under:
-            dim = spec[max(under, key=len)]
-    if dim >= len(shape):
-        raise BatchDimError(f"batch_dim {dim} for the fed tensor {path} of shape "
-                            f"{list(shape)}: it has {len(shape)} dims")
-    return dim
+__all__ = ["shard_batch"]
 
 
 def _check_paths(spec: int | dict[str, int], paths: list[str]) -> None:

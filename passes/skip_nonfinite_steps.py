@@ -28,8 +28,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import OpKind, Program, Role, Slot, Value
 from ..ir.from_fx import append_graph
+from ..ir.kernels.optim import OPTIMIZER_RULES
 from ..planning.context import PassContext
-from .optimizer_updates import OPTIMIZER_RULES
 from .scale_loss import (
     FOUND_INF,
     GROWTH_TRACKER,
@@ -50,12 +50,13 @@ def skip_nonfinite_steps(program: Program, ctx: PassContext) -> Program:
     _guard_updates(program, found_inf)
     if amp.loss_scale == "dynamic":
         scale = slots[SCALE_USED]
-        tracker = declare_scaler_state(program, GROWTH_TRACKER, torch.int32)
+        tracker = declare_scaler_state(program, GROWTH_TRACKER, torch.int32, 0)
         new_scale, new_tracker = _update_scale(program, scale, tracker, found_inf,
                                                amp.growth_factor, amp.backoff_factor,
                                                amp.growth_interval)
-        program.set_results(program.results() + [(Slot("update", LOSS_SCALE), new_scale),
-                                                 (Slot("update", GROWTH_TRACKER), new_tracker)])
+        program.set_results(program.results()
+                            + [(Slot("update", LOSS_SCALE.name), new_scale),
+                               (Slot("update", GROWTH_TRACKER.name), new_tracker)])
     return program
 
 

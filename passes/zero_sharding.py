@@ -67,7 +67,7 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
     sharded: dict[Value, DistAttr] = {}
     for op in program.states(StateKind.OPTIM):
         name = op.attrs[NAME]
-        param = params.get(name.rpartition("/")[0])
+        param = params.get(op.attrs[STATE].param)
         if param is not None and op.result.type.shape == param.type.shape:
             _pin_shard0(op.result, param, mesh, axis, sharding.stage, f"optimizer state {name!r}")
             # a scalar (Adam's step) or a state already cut on the axis is left unpinned
@@ -122,7 +122,7 @@ def parameter_of(value: Value) -> str | None:
     op = value.producer
     if op is not None and op.kind is OpKind.CALL and _narrows(op):
         op = op.args[0].producer
-    if op is None or op.kind is not OpKind.STATE or op.attrs[STATE] is not StateKind.PARAM:
+    if op is None or op.kind is not OpKind.STATE or op.attrs[STATE].kind is not StateKind.PARAM:
         return None
     return op.attrs[NAME]
 

@@ -19,3 +19,9 @@ The passes split the stages, assign the phases and pick the schedule (``split_st
 (``lower.job_programs``); the runtimes run them (``runtime.pipeline_process``,
 ``runtime.pipeline_simulator``).
 """
+from .layout import PipelineLayout
+from .schedules import PipelineSchedule, build_schedule
+from .timeline import CoreSharing, Timeline, chrome_trace, play, render
+
+__all__ = ["PipelineLayout", "PipelineSchedule", "build_schedule", "CoreSharing", "Timeline",
+           "chrome_trace", "play", "render"]

@@ -3,6 +3,7 @@
     runtimes            LocalRuntime (this process) / DistributedRuntime (torchrun ranks):
                         where state lives, and which executor runs a lowered plan
     executor            the Executor interface; ProgramExecutor (serial, or one real rank)
+    cycle               CycleExecutor: gradient merge's pair of programs, stepped by batch
     simulator           SimulatedExecutor: every rank of a plan in this process, exact
     pipeline_process    PipelineExecutor: one pipeline process's jobs on real processes
     pipeline_simulator  PipelineSimulator: every pipeline process in this one
@@ -10,7 +11,16 @@
     collectives         comm specs -> c10d collectives (reshard steps, buckets)
     p2p                 a pipeline's point-to-point messages, posted in one planned order
     process_groups      c10d groups per mesh dim, the launch check
-    state               a process's pieces of the state, gathered back whole
-    job_store, rng      what a pipeline process keeps between jobs; eager's random states
-    launch              start local ranks without torchrun (tests, benchmarks)
+    rank_state          a process's pieces of the state, gathered back whole
+    job_store, seeding  what a pipeline process keeps between jobs; each step's random stream
+    divergence          a plan's step next to one device's, op by op
+    memory_meter        measured live bytes of a step (to check the plan-time estimate)
+    spawn               start local ranks without torchrun (tests, benchmarks)
 """
+from .divergence import Divergence, locate_divergence
+from .executor import Executor
+from .rank_state import cut_piece
+from .runtimes import DistributedRuntime, Initial, LocalRuntime
+
+__all__ = ["Divergence", "locate_divergence", "Executor", "cut_piece", "DistributedRuntime",
+           "Initial", "LocalRuntime"]

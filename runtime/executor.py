@@ -2,9 +2,11 @@
 a plan on real processes.
 
 Every executor takes a lowered plan at construction and then only runs it:
-``run(feeds, seed)`` feeds one step (the full batch tensors and the optimizer's param
-groups), writes the state updates back and returns the other results. Pipelined ones also
-report the activations they held (``peaks``) and when their jobs ran (``trace_events``).
+``run(feeds, seed, batch)`` feeds one step (the full batch tensors and the optimizer's param
+groups), writes the state updates back and returns the other results; ``batch`` is the
+training batch's index in the run (a gradient-merge cycle steps by it, ``cycle.py``).
+Pipelined ones also report the activations they held (``peaks``) and when their jobs ran
+(``trace_events``).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ __all__ = ["Executor", "PipelinedExecutor", "ProgramExecutor"]
 
 
 class Executor(Protocol):
-    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]: ...
+    def run(self, feeds: dict[str, Any], seed: int | None = None, batch: int = 0
+            ) -> dict[Slot, Any]: ...
 
 
 class PipelinedExecutor(Executor, Protocol):
@@ -62,7 +65,8 @@ class ProgramExecutor:
         self._updates = [(i, s.name) for i, s in enumerate(slots) if s.kind == "update"]
         self._returned = [i for i, s in enumerate(slots) if s.kind != "update"]
 
-    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+    def run(self, feeds: dict[str, Any], seed: int | None = None, batch: int = 0
+            ) -> dict[Slot, Any]:
         """Run one step; state updates are written back, the other results returned."""
         if self.rank.inputs:
             feeds = cut_feeds(feeds, self.rank.inputs)

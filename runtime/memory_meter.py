@@ -115,7 +115,7 @@ class _Process:
                 if key not in self.state_storages:
                     self.state_storages.add(key)
                     self.state_spans.setdefault(key, []).append(_span(x))
-                    self.state_kinds[key] = op.attrs.get(STATE)
+                    self.state_kinds[key] = op.attrs[STATE].kind
                 continue
             if op.kind is OpKind.INPUT and key not in kept_keys:   # a piece of a feed
                 self.external.add(key)

@@ -114,7 +114,8 @@ class PipelineExecutor:
         origin = min((e[2] for e in events), default=0.0)
         return [(r, label, a - origin, b - origin) for r, label, a, b in events]
 
-    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+    def run(self, feeds: dict[str, Any], seed: int | None = None, batch: int = 0
+            ) -> dict[Slot, Any]:
         with forked_generator(None), torch.no_grad():
             results = self._step(feeds, seed)
         for slot, value in results.items():

@@ -70,7 +70,8 @@ class PipelineSimulator:
         return timeline_events(self.lowered.schedule.timeline)
 
     # -- one step -------------------------------------------------------------------------
-    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+    def run(self, feeds: dict[str, Any], seed: int | None = None, batch: int = 0
+            ) -> dict[Slot, Any]:
         random_ops = self.lowered.random_ops
         with forked_generator(None):
             rng = eager_rng_states(random_ops, seed) if random_ops and seed is not None else {}

@@ -54,10 +54,10 @@ class RankState:
         self.pieces: dict[str, StatePiece] = {}      # every state known, held or not
 
     def adopt(self, pieces: Mapping[str, StatePiece], held: Iterable[str],
-              initial: Callable[[str], torch.Tensor | None],
+              initial: Callable[[StatePiece], torch.Tensor | None],
               cut: Pieces | None = None) -> None:
         """Take this process's pieces of the ``held`` states not held yet, and learn every
-        state's layout. A piece is cut from ``initial(name)`` (the whole starting value; a
+        state's layout. A piece is cut from ``initial(piece)`` (the whole starting value; a
         constant's own), or made by ``cut(wanted)`` when given (the pieces of several
         states at once, which a model built on the meta device draws without its whole)."""
         held, wanted = set(held), {}
@@ -77,7 +77,7 @@ class RankState:
         if cut is not None:
             self.tensors.update(cut(wanted))
         else:
-            self.tensors.update({n: cut_piece(initial(n), p) for n, p in wanted.items()})
+            self.tensors.update({n: cut_piece(initial(p), p) for n, p in wanted.items()})
 
     def names(self) -> list[str]:
         """Every state known but constants, in the order every process calls ``full``."""

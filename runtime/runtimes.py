@@ -9,10 +9,11 @@ holds one runtime for its lifetime:
   state (``RankState``); every plan of the engine keeps its state where the first put it.
 
 ``executor(lowered, initial)`` picks the implementation from the plan (``ProgramExecutor``,
-``SimulatedExecutor``, ``PipelineExecutor``, ``PipelineSimulator``); ``initial(name)`` is the
-whole starting value of a state (a parameter, or fresh optimizer state; None for one the
-first update creates); real processes take their pieces from ``pieces(wanted)`` when given
-(a model built on the meta device has no whole value to cut).
+``SimulatedExecutor``, ``PipelineExecutor``, ``PipelineSimulator``; a gradient-merge pair
+runs as a ``CycleExecutor`` of two); ``initial(piece)`` is the whole starting value of a
+state (a parameter, or fresh optimizer state; None for one the first update creates); real
+processes take their pieces from ``pieces(wanted)`` when given (a model built on the meta
+device has no whole value to cut).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..lower.executable import Lowered, PipelineProcess, RankProgram
+from ..lower.executable import Lowered, PipelineProcess, RankProgram, StatePiece
+from .cycle import CycleExecutor
 from .executor import Executor, ProgramExecutor
 from .pipeline_process import PipelineExecutor, logical_groups
 from .pipeline_simulator import PipelineSimulator
@@ -32,7 +34,16 @@ from .simulator import SimulatedExecutor
 
 __all__ = ["Initial", "LocalRuntime", "DistributedRuntime"]
 
-Initial = Callable[[str], "torch.Tensor | None"]
+Initial = Callable[[StatePiece], "torch.Tensor | None"]
+
+
+def _executor(make: Callable[..., Executor], lowered: Lowered, initial: Initial,
+              pieces: Pieces | None) -> Executor:
+    """The plan's executor: of its program, or of a gradient-merge pair (``CycleExecutor``)."""
+    if lowered.accumulating is None:
+        return make(lowered, initial, pieces)
+    return CycleExecutor(lowered, make(lowered.accumulating, initial, pieces),
+                         make(lowered, initial, pieces))
 
 
 def _processes(lowered: Lowered) -> int:
@@ -49,12 +60,16 @@ class LocalRuntime:
 
     def executor(self, lowered: Lowered, initial: Initial,
                  pieces: Pieces | None = None) -> Executor:
+        return _executor(self._executor, lowered, initial, pieces)
+
+    def _executor(self, lowered: Lowered, initial: Initial,
+                  pieces: Pieces | None = None) -> Executor:
         processes = _processes(lowered)
         if processes > 1 and not self.simulate:
             check_launch(processes, self.launched)     # raises: a launch that cannot run it
         for name, piece in next(iter(lowered.processes.values())).state.items():
             if name not in self.state and piece.const is None:
-                self.state[name] = initial(name)
+                self.state[name] = initial(piece)
         if lowered.pipeline is not None:
             if processes == 1 and not self.simulate:
                 return PipelineExecutor(lowered.process(0), self.state,
@@ -105,6 +120,10 @@ class DistributedRuntime:
 
     def executor(self, lowered: Lowered, initial: Initial,
                  pieces: Pieces | None = None) -> Executor:
+        return _executor(self._executor, lowered, initial, pieces)
+
+    def _executor(self, lowered: Lowered, initial: Initial,
+                  pieces: Pieces | None = None) -> Executor:
         processes = _processes(lowered)
         if processes == 1 and lowered.pipeline is None:
             raise ValueError(

@@ -174,7 +174,8 @@ class SimulatedExecutor:
     def __init__(self, lowered: Lowered, state: dict[str, Any]):
         self.lowered, self.state = lowered, state
 
-    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+    def run(self, feeds: dict[str, Any], seed: int | None = None, batch: int = 0
+            ) -> dict[Slot, Any]:
         with forked_generator(seed):
             results, _ = simulate_step(self.lowered, feeds, self.state)
         for slot, value in results.items():

@@ -292,7 +292,8 @@ class AmpConfig(Section):
 
 class RecomputeConfig(Section):
     """Activation recomputation: the forward of each module matched by ``modules`` (glob
-    patterns over module paths, e.g. ``blocks.*``) keeps only its inputs for the backward
+    patterns over module paths, e.g. ``blocks.*``; absent: every repeated layer, each
+    instance of a module list of identical layers) keeps only its inputs for the backward
     and is run again just before its backward needs the rest. ``policy`` full recomputes
     every op of the segment (collectives included); selective keeps the outputs of matmuls,
     attention and collectives and recomputes only the cheap ops between them (Megatron's
@@ -302,13 +303,6 @@ class RecomputeConfig(Section):
     enable: StrictBool = False
     modules: tuple[ModulePattern, ...] = ()
     policy: Literal["full", "selective"] = "full"
-
-    @model_validator(mode="after")
-    def _modules_when_enabled(self) -> RecomputeConfig:
-        if self.enable and not self.modules:
-            raise ValueError("recompute enable: true needs modules: the module paths to "
-                             "recompute, e.g. [\"blocks.*\"]")
-        return self
 
     @property
     def is_enabled(self) -> bool:

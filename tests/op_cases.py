@@ -131,7 +131,7 @@ def _program(model, loss, batch, decompose: bool) -> tuple[Program, torch.optim.
 # the interpreter
 # ----------------------------------------------------------------------------------------
 def _state_value(op: Op, model: torch.nn.Module) -> Any:
-    name, kind = op.attrs[NAME], op.attrs[STATE]
+    name, kind = op.attrs[NAME], op.attrs[STATE].kind
     if kind is StateKind.PARAM:
         return dict(model.named_parameters())[name].detach().clone()
     if kind is StateKind.BUFFER:
@@ -140,7 +140,7 @@ def _state_value(op: Op, model: torch.nn.Module) -> Any:
         return op.attrs[CONST]
     # optimizer state: not the all-zero first step, so the update math is exercised
     t = op.result.type
-    key = name.rpartition("/")[2]
+    key = op.attrs[STATE].key
     if key == "step":
         return torch.tensor(3.0, dtype=t.dtype)
     if key in ("exp_avg_sq", "max_exp_avg_sq"):

@@ -282,9 +282,9 @@ def test_progress_display_looks_as_before(capsys):
     assert len(lines) == len(expected)
     assert all(re.fullmatch(p, line) for p, line in zip(expected, lines)), lines
 
-    engine.fit(TRAIN, batch_size=4, verbose=1)
+    engine.fit(TRAIN, batch_size=4, epochs=3, verbose=1)     # the run's third epoch
     out = capsys.readouterr().out
-    assert re.fullmatch(r"(\repoch 1/1 [12]/2 \[=*\.*\] loss: \d+\.\d{4} lr: 0\.0500 "
+    assert re.fullmatch(r"(\repoch 3/3 [12]/2 \[=*\.*\] loss: \d+\.\d{4} lr: 0\.0500 "
                         r"\d+\.\ds){2}\n", out), repr(out)
     assert "[" + "=" * 30 + "]" in out
 
@@ -292,8 +292,9 @@ def test_progress_display_looks_as_before(capsys):
     assert re.fullmatch(r"(evaluate step [12]/\? loss: \d+\.\d{4} \(\d+\.\d+ steps/s\)\n){2}",
                         capsys.readouterr().out)
 
-    engine.fit(TRAIN, batch_size=4, verbose=0)
-    engine.fit(TRAIN, batch_size=4, verbose=0, callbacks=[ProgressBar(verbose=2, log_freq=2)])
+    engine.fit(TRAIN, batch_size=4, epochs=4, verbose=0)
+    engine.fit(TRAIN, batch_size=4, epochs=5, verbose=0,
+               callbacks=[ProgressBar(verbose=2, log_freq=2)])
     assert capsys.readouterr().out.count("step 2/2") == 1
 
 

@@ -16,10 +16,11 @@ import autopar as ap
 from autopar.checkpoint.boxes import checkpoint_key, piece_boxes, writes_piece
 from autopar.checkpoint.store import SafeReader, latest_checkpoint
 from autopar.engine.callbacks import ModelCheckpoint
-from autopar.engine.checkpointing import CheckpointError, CheckpointMismatch
+from autopar.ir import StateKey
 from autopar.ir.dist import DistAttr, Partial, ProcessMesh, Replicate, Shard, shard_tensor_local
 from autopar.lower.executable import StatePiece
 from autopar.models.gpt import lm_loss
+from autopar.state.checkpointing import CheckpointError, CheckpointMismatch
 
 from .parity import gpt_optimizer, lm_data, parity_gpt
 
@@ -63,8 +64,8 @@ def test_the_written_boxes_tile_the_tensor_once_and_hold_each_piece(mesh_shape, 
     full = torch.arange(120.0).reshape(shape)
     cover = torch.zeros(shape, dtype=torch.int64)
     for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
-        piece = StatePiece("w", shape, torch.float32, DistAttr(mesh, placements),
-                           coordinate)
+        piece = StatePiece(StateKey.of_param("w"), shape, torch.float32,
+                           DistAttr(mesh, placements), coordinate)
         local = shard_tensor_local(full, mesh, placements, coordinate)
         for box in piece_boxes(piece):
             held = local[tuple(slice(a, a + n) for a, n in zip(box.local, box.sizes))]
@@ -77,23 +78,28 @@ def test_the_written_boxes_tile_the_tensor_once_and_hold_each_piece(mesh_shape, 
 
 def test_a_grouped_shard_is_several_boxes():
     mesh = ProcessMesh([0, 1])
-    piece = StatePiece("qkv", (96, 32), torch.float32,
+    piece = StatePiece(StateKey.of_param("qkv"), (96, 32), torch.float32,
                        DistAttr(mesh, (Shard(0, groups=3),)), (1,))
     assert [b.offsets for b in piece_boxes(piece)] == [(16, 0), (48, 0), (80, 0)]
 
 
 def test_a_partial_state_is_refused_by_name():
-    piece = StatePiece("gradient_merge/w", (4,), torch.float32,
+    piece = StatePiece(StateKey.accumulator("w"), (4,), torch.float32,
                        DistAttr(ProcessMesh([0, 1]), (Partial(),)), (0,))
     with pytest.raises(ValueError, match="gradient_merge/w.*partial"):
         writes_piece(piece)
 
 
 def test_keys_follow_torch_get_state_dict():
-    names = {"fc.weight", "bn.running_mean"}
-    assert checkpoint_key("fc.weight", names) == "model.fc.weight"
-    assert checkpoint_key("fc.weight/exp_avg", names) == "optim.state.fc.weight.exp_avg"
-    assert checkpoint_key("amp/loss_scale", names) == "autopar.amp/loss_scale"
+    """Made from the typed key (nothing parses a state's name); what a checkpoint leaves
+    out has none."""
+    assert checkpoint_key(StateKey.of_param("fc.weight")) == "model.fc.weight"
+    assert checkpoint_key(StateKey.of_buffer("bn.running_mean")) == "model.bn.running_mean"
+    assert checkpoint_key(StateKey.optimizer("fc.weight", "exp_avg")) == \
+        "optim.state.fc.weight.exp_avg"
+    assert checkpoint_key(StateKey.scaler("loss_scale")) == "autopar.amp/loss_scale"
+    assert checkpoint_key(StateKey.accumulator("fc.weight")) is None
+    assert checkpoint_key(StateKey.constant("const/c@00")) is None
 
 
 # -- round trips -----------------------------------------------------------------------------
@@ -198,6 +204,28 @@ def test_fit_resume_continues_from_the_newest_checkpoint(tmp_path):
     rest = again.fit(DATA, batch_size=4, epochs=2, shuffle=True, verbose=0, save_dir=tmp_path,
                      resume=True)["loss"]
     assert rest == full[6:]
+
+
+def test_epochs_counts_the_run_in_one_process_and_after_a_load(tmp_path):
+    """``epochs`` is the run's total: a second ``fit(epochs=1)`` after one epoch trains
+    nothing, in one process as after loading that epoch's checkpoint; each says so (the
+    epochs done, the checkpoint's position) and returns the history with its usual keys,
+    and ``epochs=2`` trains the second epoch in both, equally."""
+    first = gpt_engine("dp")
+    first.fit(DATA, batch_size=4, epochs=1, verbose=0, save_dir=tmp_path)
+    trained = len(first.history["loss"])
+    with pytest.warns(UserWarning, match=r"fit\(epochs=1\): nothing to train.*1 are done "
+                                         r"\(this engine has trained them\); pass epochs=2"):
+        again = first.fit(DATA, batch_size=4, epochs=1, verbose=0)
+    assert len(again["loss"]) == trained and first.batches_trained == trained
+    loaded = gpt_engine("dp")
+    loaded.load(tmp_path / f"step_{first.global_step:08d}")
+    with pytest.warns(UserWarning, match=r"1 are done \(the checkpoint it loaded ended at "
+                                         r"epoch 1, batch 0\)"):
+        history = loaded.fit(DATA, batch_size=4, epochs=1, verbose=0)
+    assert history == {"loss": [], "lr": []}
+    assert loaded.fit(DATA, batch_size=4, epochs=2, verbose=0)["loss"] == \
+        first.fit(DATA, batch_size=4, epochs=2, verbose=0)["loss"][trained:]
 
 
 def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
@@ -329,7 +357,7 @@ def test_resuming_with_an_unseeded_shuffling_loader_warns(tmp_path):
 
 def test_a_value_no_process_writes_fails_the_save(tmp_path, monkeypatch):
     """A writer rule that leaves a value to nobody is caught before the commit."""
-    from autopar.engine import checkpointing
+    from autopar.state import checkpointing
     engine = gpt_engine("dp")
     engine.fit(DATA, batch_size=4, epochs=1, steps_per_epoch=1, verbose=0)
     rule = checkpointing.writes_piece
@@ -347,5 +375,6 @@ def test_a_pipeline_stage_mesh_micro_batch_dim_is_not_a_replica():
     mesh = ProcessMesh(torch.arange(8).reshape(2, 4), dim_names=["dp", "mb"])
     for name in (f"w{i}" for i in range(20)):
         writers = [dp for dp in range(2) if writes_piece(StatePiece(
-            name, (4,), torch.float32, DistAttr(mesh, (Replicate(), Replicate())), (dp, 0)))]
+            StateKey.of_param(name), (4,), torch.float32,
+            DistAttr(mesh, (Replicate(), Replicate())), (dp, 0)))]
         assert len(writers) == 1, name

@@ -160,6 +160,6 @@ def test_later_programs_keep_parameters_where_training_placed_them():
     evaluation = engine.prepare(x, y, mode="eval")
     placed = lambda program: {op.attrs[NAME]: op.result.dist  # noqa: E731
                               for op in program.ops_of(OpKind.STATE)
-                              if op.attrs[STATE] is StateKind.PARAM}
+                              if op.attrs[STATE].kind is StateKind.PARAM}
     assert placed(evaluation) == placed(train)
     assert "kept where an earlier program placed it" in engine.explain("head.weight", mode="eval")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import autopar as ap
+import autopar.checkpoint.consolidate as consolidate_module
 from autopar.__main__ import main as cli
-from autopar.checkpoint import export as export_module
-from autopar.checkpoint.consolidate import consolidate
+from autopar.checkpoint import consolidate_model
 from autopar.checkpoint.safetensors_file import (
     DTYPES,
     SafetensorsWriter,
@@ -139,9 +139,10 @@ def test_full_export_is_the_trained_state_dict(tmp_path, monkeypatch, config):
         assert torch.equal(value, exported[key]), key
     # a few tensors per DCP read (at most 4 KiB together, a larger one alone): the same file
     reads = []
-    monkeypatch.setattr(export_module.dcp, "load",
-                        lambda *a, load=export_module.dcp.load, **k: reads.append(load(*a, **k)))
-    consolidate(tmp_path / "ckpt", tmp_path / "small.safetensors", budget_bytes=4096)
+    load = consolidate_module.dcp.load
+    monkeypatch.setattr(consolidate_module.dcp, "load",
+                        lambda *a, **k: reads.append(load(*a, **k)))
+    consolidate_model(tmp_path / "ckpt", tmp_path / "small.safetensors", budget_bytes=4096)
     assert len(consolidated) > len(reads) > 1
     assert (tmp_path / "small.safetensors").read_bytes() == \
         (tmp_path / "cli.safetensors").read_bytes()

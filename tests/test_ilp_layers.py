@@ -1,4 +1,4 @@
-"""Repeated layers in the placement ILP (autopar.auto.layers): identical layers of a module
+"""Repeated layers in the placement ILP (autopar.planning.layers): identical layers of a module
 list are found (forward, backward, optimizer step, parameters and states), layers that
 differ are not tied, and tying gives the untied optimum on a model whose layers all do the
 same in it, in a program whose size does not grow with the depth."""
@@ -14,7 +14,6 @@ from torch import nn
 import autopar as ap
 from autopar.auto import placed_program, solve_placements
 from autopar.auto.ilp_completion import commit_choice
-from autopar.auto.layers import layer_of, repeated_layers
 from autopar.auto.tp_plan import tensor_parallel_plan_of
 from autopar.cost.profile import AlphaBeta, Profile
 from autopar.ir import OpKind, Role
@@ -23,6 +22,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 from autopar.passes import PIPELINE
 from autopar.planning.explain import planned_moves
+from autopar.planning.layers import layer_of, repeated_layers
 from autopar.planning.manager import PassManager
 
 from .models_zoo import hf_gpt2

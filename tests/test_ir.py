@@ -9,7 +9,7 @@ from autopar.ir import (
     Program,
     Role,
     Slot,
-    StateKind,
+    StateKey,
     TensorType,
     Value,
     VerificationError,
@@ -92,7 +92,7 @@ def _program_with(*ops: Op) -> Program:
 
 def _state(name: str) -> Op:
     return Op(OpKind.STATE, "state", outputs=[Value(TensorType((2,), torch.float32))],
-              attrs={STATE: StateKind.PARAM, NAME: name})
+              attrs={STATE: StateKey.of_param(name), NAME: name})
 
 
 def _output(*values: Value) -> Op:

@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 import autopar as ap
-import autopar.engine.piece_init as piece_init
-from autopar.engine.meta_init import MetaInit, MetaInitError, MetaInitNote
-from autopar.engine.piece_init import PieceIndex, draw_into
+import autopar.state.piece_init as piece_init
+from autopar.ir import StateKey
 from autopar.ir.dist import DistAttr, ProcessMesh, Replicate, Shard, shard_tensor_local
 from autopar.lower.executable import StatePiece
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
+from autopar.state.meta_init import MetaInit, MetaInitError, MetaInitNote
+from autopar.state.piece_init import PieceIndex, draw_into
 
 from .parity import assert_same_losses, assert_same_params, eager_train, gpt_optimizer, lm_data
 
@@ -61,8 +62,8 @@ def _pieces_equal(meta_init: MetaInit, model: nn.Module, reference: nn.Module,
                   placements=(Shard(0), Replicate())) -> None:
     want = dict(reference.named_parameters()) | dict(reference.named_buffers())
     for coordinate in itertools.product(range(2), range(2)):
-        wanted = {n: StatePiece(n, tuple(t.shape), t.dtype, _fitted(placements, t.shape),
-                                coordinate)
+        wanted = {n: StatePiece(StateKey.of_param(n), tuple(t.shape), t.dtype,
+                                _fitted(placements, t.shape), coordinate)
                   for n, t in model.named_parameters()}
         before = torch.random.get_rng_state()
         got = meta_init.pieces(wanted)
@@ -159,7 +160,8 @@ def test_no_process_allocates_a_whole_sharded_parameter():
         model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 512))
     meta_init = MetaInit(model)
     mesh = ProcessMesh([0, 1, 2, 3], ["dp"])
-    wanted = {n: StatePiece(n, tuple(t.shape), t.dtype, DistAttr(mesh, (Shard(0),)), (1,))
+    wanted = {n: StatePiece(StateKey.of_param(n), tuple(t.shape), t.dtype,
+                            DistAttr(mesh, (Shard(0),)), (1,))
               for n, t in model.named_parameters()}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:

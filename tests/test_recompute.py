@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import autopar as ap
+from autopar.ir import format_program
 from autopar.lower.memory_estimate import value_bytes
 from autopar.models.gpt import lm_loss
 from autopar.pipeline.phases import Phase
@@ -255,6 +256,35 @@ def test_a_pattern_that_matches_no_module_is_refused():
                        strategy=ap.Strategy.from_yaml_str(_recompute("full", "layers.*")))
     with pytest.raises(ValueError, match=r"'layers\.\*' matches no module.*blocks\.0"):
         engine.prepare(*_batch())
+
+
+@pytest.mark.parametrize("config", ["dp_tp", "pp_1f1b", "dp_zero3"])
+def test_without_modules_every_repeated_layer_is_recomputed(config, tmp_path):
+    """``recompute: {enable: true}`` recomputes every repeated layer: the same program, op
+    for op, as naming ``blocks.*``, under tp, a pipeline and ZeRO-3 (whose gathers name
+    each layer's parameters); the report says where the modules came from."""
+    def planned(recompute: str, dump: Path) -> str:
+        model = parity_gpt("adamw", dropout=DROPOUT, layers=3)
+        strategy = ap.Strategy.from_yaml_str(MESHES[config] + recompute
+                                             + f"\ndebug: {{dump_dir: '{dump}'}}\n")
+        engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                           strategy=strategy)
+        return format_program(engine.prepare(*_batch(8)))
+
+    default = planned("\nrecompute: {enable: true}\n", tmp_path / "default")
+    assert default == planned(_recompute("full"), tmp_path / "named")
+    [report] = (tmp_path / "default" / "rank0").glob("[0-9][0-9]_recompute.recompute.txt")
+    assert "modules: every repeated layer (no modules given): blocks.0, blocks.1, blocks.2" \
+        in report.read_text()
+
+
+def test_without_modules_a_model_without_repeated_layers_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    engine = ap.Engine(model, torch.nn.functional.mse_loss,
+                       torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=ap.Strategy(recompute={"enable": True}))
+    with pytest.raises(ValueError, match="every repeated layer.*has none: name the modules"):
+        engine.prepare(torch.randn(4, 8), torch.randn(4, 4))
 
 
 def test_evaluate_and_predict_ignore_recompute():

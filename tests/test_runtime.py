@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.ir import Op, OpKind, Program, Slot, StateKind, TensorType, Value
+from autopar.ir import Op, OpKind, Program, Slot, StateKey, TensorType, Value
 from autopar.ir.attrs import NAME, SLOTS, STATE
 from autopar.models import MLP
 from autopar.runtime.codegen import generate
@@ -36,7 +36,7 @@ def test_one_param_group_is_one_optimizer_call():
 
 def test_unknown_op_is_named():
     w = Op(OpKind.STATE, "state", outputs=[Value(TensorType((2,), torch.float32))],
-           attrs={STATE: StateKind.PARAM, NAME: "w"})
+           attrs={STATE: StateKey.of_param("w"), NAME: "w"})
     bad = Op(OpKind.CALL, "mylib.frobnicate.default", args=(w.outputs[0],),
              outputs=[Value(TensorType((2,), torch.float32))])
     program = Program()

@@ -6,14 +6,22 @@ hyper-parameters) acts on the next step. Kernels update in place, as torch does,
 the new state values for the runtime to write back. Each has a batched form that updates a
 whole param group in one call, like ``optimizer.step()``.
 
+Which torch.optim class each kernel serves, with the state it keeps and how that state
+starts, is ``OPTIMIZER_RULES`` (below): the ``optimizer_updates`` pass declares the state from
+it, and the training state (``autopar.state``) makes its starting values and checkpoint keys.
+
 ``found_inf`` (loss scaling, ``passes/skip_nonfinite_steps.py``): when it is set, the step
 is skipped and the state returned as it was, as torch's fused optimizers do with the
 ``found_inf`` GradScaler passes them (eager GradScaler skips ``optimizer.step()``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch.optim.adam import adam as _adam
+from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd
 
 from ..ops import kernel
@@ -68,3 +76,58 @@ def adam_update(param, grad, group, exp_avg, exp_avg_sq, step, max_exp_avg_sq=No
     extra = [max_exp_avg_sq] if max_exp_avg_sq is not None else []
     return adam_group([param], [grad], group, [exp_avg], [exp_avg_sq], [step], extra,
                       found_inf)[0]
+
+
+# -- which optimizer each kernel serves, and its state --------------------------------------
+
+def _zeros(param: torch.Tensor, group: dict) -> torch.Tensor:
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _step(param: torch.Tensor, group: dict) -> torch.Tensor:
+    on_device = group.get("capturable", False) or group.get("fused", False)
+    dtype = _get_scalar_dtype(is_fused=group.get("fused", False))
+    return torch.zeros((), dtype=dtype, device=param.device if on_device else None)
+
+
+def _absent(param: torch.Tensor, group: dict) -> None:
+    return None   # torch.optim.SGD makes the momentum buffer from the first gradient
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    target: str
+    states: Callable[[dict], tuple[tuple[str, Callable], ...]]
+
+
+def _adam_states(group: dict) -> tuple:
+    states = (("exp_avg", _zeros), ("exp_avg_sq", _zeros), ("step", _step))
+    return states + ((("max_exp_avg_sq", _zeros),) if group["amsgrad"] else ())
+
+
+OPTIMIZER_RULES: dict[type, OptimizerRule] = {
+    torch.optim.SGD: OptimizerRule("optim.sgd", lambda g: (("momentum_buffer", _absent),)),
+    torch.optim.Adam: OptimizerRule("optim.adam", _adam_states),
+    torch.optim.AdamW: OptimizerRule("optim.adam", _adam_states),
+}
+
+
+def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
+    try:
+        return OPTIMIZER_RULES[type(optimizer)]
+    except KeyError:
+        known = ", ".join(sorted(c.__name__ for c in OPTIMIZER_RULES))
+        raise NotImplementedError(
+            f"autopar cannot lower optimizer {type(optimizer).__qualname__}: supported are "
+            f"{known} (subclasses too can override step(), so they are refused)") from None
+
+
+def initial_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
+                  like: torch.Tensor | None = None) -> dict:
+    """The optimizer state of ``param``: the optimizer's own if it has one (a resumed run),
+    else what torch would create on the first step, made like ``like`` (planning passes a
+    meta tensor: it needs the state's types, not its memory)."""
+    existing = optimizer.state.get(param, {})
+    template = param if like is None else like
+    return {name: existing[name] if name in existing else make(template, group)
+            for name, make in rule_for(optimizer).states(group)}

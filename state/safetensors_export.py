@@ -5,7 +5,7 @@ The file holds exactly the keys of ``model.state_dict()``: a tied weight under e
 names (``load_state_dict(strict=True)`` wants them all), non-persistent buffers left out.
 Values are the trained ones, taken one tensor at a time and streamed into the file
 (``checkpoint.safetensors_file``), so no process ever holds more than one whole tensor: in
-this process (serial, simulated) from the engine's whole tensors; on real processes each
+this process (serial, simulated) from the state's whole tensors; on real processes each
 gathered from its pieces (``runtime.full``, a collective every process calls for every
 value, in the same order; a tied weight once), and only rank 0 writes. A model built on the
 meta device stays there: its values come from the pieces.
@@ -15,33 +15,31 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.safetensors_file import SafetensorsWriter, TensorEntry, safetensors_path
-from ..runtime.runtimes import DistributedRuntime
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from ..checkpoint import SafetensorsWriter, TensorEntry, safetensors_path
+from ..runtime import DistributedRuntime
+from .train_state import TrainState
 
 __all__ = ["export_full", "state_dict_aliases"]
 
 
-def export_full(engine: Engine, path: str | os.PathLike) -> Path:
+def export_full(state: TrainState, runtime: Any, path: str | os.PathLike) -> Path:
     """Write the model's trained ``state_dict`` to ``path`` (a ``.safetensors`` file, or
     ``path/model.safetensors`` for a directory or a name without a suffix); returns the
     file. Every process calls it."""
     target = safetensors_path(path)
-    distributed = isinstance(engine.runtime, DistributedRuntime)
-    if distributed and engine.runtime.state is None:
+    distributed = isinstance(runtime, DistributedRuntime)
+    if distributed and runtime.state is None:
         raise ValueError("save(format='full'): on real processes the state is placed by the "
                          "first step; train (or evaluate) once before exporting")
     if not distributed:
-        engine.state.materialize()
-    aliases = state_dict_aliases(engine.model)
-    value_of, shape_of = _rank_access(engine) if distributed else _local_access(engine)
+        state.materialize()
+    aliases = state_dict_aliases(state.model)
+    value_of, shape_of = _rank_access(state, runtime) if distributed else _local_access(state)
     entries = [TensorEntry(key, *shape_of(name)) for name, keys in aliases.items()
                for key in keys]
     writes = not distributed or dist.get_rank() == 0
@@ -77,9 +75,9 @@ Access = tuple[Callable[[str], torch.Tensor], Callable[[str], tuple[tuple[int, .
                                                                       torch.dtype]]]
 
 
-def _local_access(engine: Engine) -> Access:
+def _local_access(state: TrainState) -> Access:
     """Whole tensors in this process (the model's own, trained in place)."""
-    tensors = engine.state.tensors
+    tensors = state.tensors
 
     def shape_of(name: str) -> tuple[tuple[int, ...], torch.dtype]:
         return tuple(tensors[name].shape), tensors[name].dtype
@@ -87,28 +85,28 @@ def _local_access(engine: Engine) -> Access:
     return tensors.__getitem__, shape_of
 
 
-def _rank_access(engine: Engine) -> Access:
+def _rank_access(state: TrainState, runtime: DistributedRuntime) -> Access:
     """Real processes: a value the plan holds is gathered from its pieces (a collective);
     a constant is its whole value; a value no plan holds is the model's own tensor (the same
     on every process)."""
-    state = engine.runtime.state
-    gathered = set(state.names())
+    held = runtime.state
+    gathered = set(held.names())
 
     def value_of(name: str) -> torch.Tensor:
         if name in gathered:
-            value = engine.runtime.full(name)
+            value = runtime.full(name)
             if value is None:
                 raise ValueError(f"save(format='full'): state {name!r} has no value on "
                                  "any process")
             return value
-        piece = state.pieces.get(name)
-        return piece.const if piece is not None else engine.state.tensors[name]
+        piece = held.pieces.get(name)
+        return piece.const if piece is not None else state.tensors[name]
 
     def shape_of(name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        if name in state.pieces:
-            piece = state.pieces[name]
+        if name in held.pieces:
+            piece = held.pieces[name]
             return tuple(piece.shape), piece.dtype
-        own = engine.state.tensors[name]
+        own = state.tensors[name]
         if own.is_meta:
             raise ValueError(f"save(format='full'): {name!r} is in no plan's state and the "
                              "model's own tensor is on the meta device: no value to export")

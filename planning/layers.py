@@ -1,6 +1,7 @@
-"""A captured program's repeated layers: which ops of a model's identical layers correspond,
-so the placement ILP can solve them once (every identical layer takes the same strategy, as
-Alpa clusters layers).
+"""A program's repeated layers: which ops of a model's identical layers correspond, so the
+placement ILP can solve them once (every identical layer takes the same strategy, as Alpa
+clusters layers), and recompute knows what to recompute when the strategy names no modules
+(``passes/recompute.py``: every repeated layer, as torchtitan's and Paddle's defaults).
 
 A layer instance is a child of a module list: the ops whose module path (a CALL's
 ``op.module``; a parameter's, buffer's or optimizer state's name; fed inputs are in no
@@ -26,7 +27,7 @@ from typing import Any, Hashable
 import torch
 
 from ..ir import Op, OpKind, Program, Value
-from ..ir.attrs import NAME
+from ..ir.attrs import NAME, STATE
 
 __all__ = ["LayerClass", "RepeatedLayers", "repeated_layers", "layer_of"]
 
@@ -125,14 +126,19 @@ def _leaf(a: Any, local: dict[Value, tuple[int, int]]) -> Hashable:
         return repr(a)
 
 
-def _signature(ops: list[Op], rest: dict[Op, str]) -> tuple:
+def _signature(ops: list[Op], rest: dict[Op, str], instance: Instance) -> tuple:
     local: dict[Value, tuple[int, int]] = {}
+    own = f"{instance[0]}.{instance[1]}."
     sig = []
     for k, op in enumerate(ops):
-        attrs = tuple(sorted((key.name, _leaf(v, {})) for key, v in op.attrs.items()
-                             if key is not NAME))
+        # names aside: a text attribute naming the instance's own modules (a ZeRO gather's
+        # origin) says the same of every instance
+        attrs = tuple(sorted((key.name, v.replace(own, "<layer>.") if isinstance(v, str)
+                              else _leaf(v, {}))
+                             for key, v in op.attrs.items() if key not in (NAME, STATE)))
         outs = tuple((str(v.type), v.dist if v.is_tensor else None) for v in op.outputs)
-        sig.append((op.kind, op.target, op.role, rest[op], _leaf(op.args, local),
+        kind = op.attrs[STATE].kind if op.kind is OpKind.STATE else None    # names aside
+        sig.append((op.kind, kind, op.target, op.role, rest[op], _leaf(op.args, local),
                     _leaf(op.kwargs, local), attrs, outs))
         for i, v in enumerate(op.outputs):
             local[v] = (k, i)
@@ -145,7 +151,7 @@ def repeated_layers(program: Program) -> RepeatedLayers:
     order = {op: k for k, op in enumerate(program.ops)}
     by_sig: dict[tuple, list[Instance]] = defaultdict(list)
     for inst in sorted(members):
-        by_sig[(inst[0], _signature(members[inst], rest))].append(inst)
+        by_sig[(inst[0], _signature(members[inst], rest, inst))].append(inst)
     found = RepeatedLayers()
     for insts in by_sig.values():
         if len(insts) < 2:

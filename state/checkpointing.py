@@ -1,4 +1,4 @@
-"""``Engine.save`` / ``Engine.load``: the engine's state as a DCP checkpoint.
+"""``Engine.save`` / ``Engine.load``: the training state as a DCP checkpoint.
 
 What a checkpoint holds:
 
@@ -9,11 +9,15 @@ What a checkpoint holds:
   batches trained, the data position, the LR scheduler's and the param groups' state) and
   what the checkpoint was written under (the strategy's YAML, the world size).
 
-Loading reads into the layout of the engine that loads: in this process (serial,
-simulated) whole tensors; on real processes each its pieces, in place when the state is
-already placed, else when the first step places it (``ModelState.pieces`` asks
-``PendingLoad``). A simulated run writes the boxes its simulated ranks would write, so the
-simulator checks the same tiling real ranks produce.
+Loading reads into the layout of the run that loads: in this process (serial, simulated)
+whole tensors; on real processes each its pieces, in place when the state is already
+placed, else when the first step places it (``TrainState.pieces`` asks ``PendingLoad``). A
+simulated run writes the boxes its simulated ranks would write, so the simulator checks the
+same tiling real ranks produce.
+
+What is saved is what the state's typed keys say (``checkpoint.checkpoint_key``): the
+model's parameters and buffers, the optimizer's state, the loss scaler's; the engine hands
+over only the facts of the run (``RunRecord``).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,19 +36,30 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checkpoint.boxes import MODEL, OPTIM, Box, checkpoint_key, piece_boxes, writes_piece
-from ..checkpoint.dcp_planners import BoxLoadPlanner, BoxSavePlanner, Chunk
-from ..checkpoint.store import CheckpointDir, SafeReader, is_checkpoint
-from ..lower.executable import PipelineProcess, StatePiece
-from ..passes.merge_gradients import accumulated_param
-from ..passes.optimizer_updates import rule_for
-from ..runtime.runtimes import DistributedRuntime
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from ..checkpoint import (
+    EXTRA,
+    MODEL,
+    OPTIM,
+    Box,
+    BoxLoadPlanner,
+    BoxSavePlanner,
+    CheckpointDir,
+    Chunk,
+    SafeReader,
+    checkpoint_key,
+    is_checkpoint,
+    piece_boxes,
+    writes_piece,
+)
+from ..ir import StateKey, StateKind
+from ..ir.kernels.optim import rule_for
+from ..lower.executable import Lowered, PipelineProcess, StatePiece
+from ..runtime import DistributedRuntime
+from ..strategy import Strategy
+from .train_state import TrainState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointMismatch",
-           "PendingLoad", "TRAINER_KEY"]
+           "PendingLoad", "RunRecord", "TRAINER_KEY"]
 
 TRAINER_KEY = "autopar.trainer"
 FORMAT = "autopar-checkpoint/1"
@@ -58,26 +73,39 @@ class CheckpointMismatch(ValueError):
     """A checkpoint that does not belong to this model (or optimizer)."""
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What a checkpoint records of the run besides its state, and where its dumps go."""
+
+    strategy: Strategy
+    world_size: int
+    rank: int                       # this process's (0 unless on real processes)
+    dump_dir: str | None
+    plans: Sequence[Lowered] = ()   # the plans made so far (a simulated save writes the
+                                    # boxes their simulated ranks would)
+
+
 # -- saving ---------------------------------------------------------------------------------
 
-def save_checkpoint(engine: Engine, path: str | os.PathLike) -> Path:
-    """Write the engine's state to the directory ``path`` (every process calls it)."""
-    k = engine.strategy.gradient_merge.k_steps
-    if engine.batches_trained % k:
-        raise ValueError(f"save: {engine.batches_trained % k} batch(es) into a gradient_merge "
-                         f"cycle of k_steps={k}; save after an optimizer step (fit's "
-                         "save_freq counts optimizer steps)")
-    distributed = isinstance(engine.runtime, DistributedRuntime)
-    if distributed and engine.runtime.state is None:
+def save_checkpoint(state: TrainState, runtime: Any, path: str | os.PathLike,
+                    run: RunRecord) -> Path:
+    """Write the training state to the directory ``path`` (every process calls it)."""
+    k, trained = run.strategy.gradient_merge.k_steps, state.progress.batches_trained
+    if trained % k:
+        raise ValueError(f"save: {trained % k} batch(es) into a gradient_merge cycle of "
+                         f"k_steps={k}; save after an optimizer step (fit's save_freq counts "
+                         "optimizer steps)")
+    distributed = isinstance(runtime, DistributedRuntime)
+    if distributed and runtime.state is None:
         raise ValueError("save: on real processes the state is placed by the first step; "
                          "train (or evaluate) once before saving")
-    chunks = _rank_chunks(engine) if distributed else _local_chunks(engine)
+    chunks = _rank_chunks(state, runtime) if distributed else _local_chunks(state, run)
     target = CheckpointDir(path)
     coordinator = not distributed or dist.get_rank() == 0
     if coordinator:
         target.prepare()
     _barrier(distributed)
-    blobs = {TRAINER_KEY: json.dumps(_trainer_state(engine)).encode()}
+    blobs = {TRAINER_KEY: json.dumps(_trainer_record(state, run)).encode()}
     try:
         with _single_process_quietly():
             written = dcp.save({}, storage_writer=FileSystemWriter(target.partial),
@@ -87,35 +115,34 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike) -> Path:
                               f"{sorted(failed.failures)}: {_first_failure(failed)}; it stays "
                               f"{target.partial.name} and earlier checkpoints are intact"
                               ) from failed
-    _check_complete(engine, written, target)     # every process sees the same metadata
+    _check_complete(state, written, target)     # every process sees the same metadata
     if coordinator:
         target.commit()
     _barrier(distributed)
-    _dump(engine, f"save_{target.final.name}", chunks)
+    _dump(run, distributed, f"save_{target.final.name}", chunks)
     return target.final
 
 
-def _dump(engine: Engine, name: str, chunks: list[Chunk]) -> None:
+def _dump(run: RunRecord, distributed: bool, name: str, chunks: list[Chunk]) -> None:
     """``<dump_dir>/rank<r>/checkpoint_<save|load>_<dir>.txt``: the boxes this process
     wrote or read, per key (simulated: every simulated rank's), and their bytes."""
-    if engine.dump_dir is None:
+    if run.dump_dir is None:
         return
-    rank = engine.launch.rank if engine.distributed else 0
-    path = Path(engine.dump_dir) / f"rank{rank}" / f"checkpoint_{name}.txt"
+    path = Path(run.dump_dir) / f"rank{run.rank}" / f"checkpoint_{name}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     total = sum(c.box.numel() * c.tensor.element_size() for c in chunks)
     lines = [f"# {name}: {len(chunks)} boxes, {total:,} bytes"
-             + ("" if engine.distributed else " (this process: every simulated rank's boxes)")]
+             + ("" if distributed else " (this process: every simulated rank's boxes)")]
     for c in sorted(chunks, key=lambda c: (c.key, c.box.offsets)):
         where = ", ".join(f"{o}:{o + n}" for o, n in zip(c.box.offsets, c.box.sizes))
         lines.append(f"{c.key}  {list(c.shape)}  [{where}]  {c.tensor.dtype}")
     path.write_text("\n".join(lines) + "\n")
 
 
-def _check_complete(engine: Engine, written: Metadata, target: CheckpointDir) -> None:
+def _check_complete(state: TrainState, written: Metadata, target: CheckpointDir) -> None:
     """Every parameter and persistent buffer has boxes in the checkpoint (DCP checks that the
     boxes of each key it got tile it; a key no process wrote would go unnoticed)."""
-    module = _written_keys(engine, engine.state.module_state_names())
+    module = _written_keys(state, state.module_state_names())
     missing = sorted(k for keys in module.values() for k in keys
                      if k not in written.state_dict_metadata)
     if missing:
@@ -144,21 +171,22 @@ def _barrier(distributed: bool) -> None:
         dist.barrier()
 
 
-def _checkpoint_names(engine: Engine, names) -> dict[str, str]:
-    """State name -> checkpoint key, for the states a checkpoint holds (not gradient-merge
-    accumulators, not non-persistent buffers: ``state_dict`` leaves them out too)."""
-    module = set(engine.state.module_state_names())
-    skipped = _non_persistent_buffers(engine.model)
-    return {n: checkpoint_key(n, module) for n in names
-            if accumulated_param(n) is None and n not in skipped}
+def _checkpoint_names(state: TrainState, names) -> dict[str, str]:
+    """State name -> checkpoint key, for the states a checkpoint holds (what the typed key
+    says: not gradient-merge accumulators, not constants; not non-persistent buffers, which
+    ``state_dict`` leaves out too)."""
+    skipped = _non_persistent_buffers(state.model)
+    found = {n: checkpoint_key(state.keys[n]) for n in names
+             if n in state.keys and n not in skipped}
+    return {n: k for n, k in found.items() if k is not None}
 
 
-def _written_keys(engine: Engine, names) -> dict[str, list[str]]:
+def _written_keys(state: TrainState, names) -> dict[str, list[str]]:
     """State name -> the keys its boxes are written under: its own, and a tied weight's
     other names too (``model.state_dict()`` lists both, so plain DCP can load it)."""
-    aliases = _aliases(engine.model)
+    aliases = _aliases(state.model)
     return {n: [k, *(MODEL + a for a in aliases.get(n, ()))]
-            for n, k in _checkpoint_names(engine, names).items()}
+            for n, k in _checkpoint_names(state, names).items()}
 
 
 def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -185,13 +213,13 @@ def _box_of(tensor: torch.Tensor, box: Box, at: tuple[int, ...]) -> torch.Tensor
     return view
 
 
-def _rank_chunks(engine: Engine) -> list[Chunk]:
+def _rank_chunks(state: TrainState, runtime: DistributedRuntime) -> list[Chunk]:
     """This real process's boxes: of the pieces it holds, those it writes."""
-    state = engine.runtime.state
-    pp = state.pipeline.pp if state.pipeline is not None else None
+    held = runtime.state
+    pp = held.pipeline.pp if held.pipeline is not None else None
     chunks = []
-    for name, keys in _written_keys(engine, state.names()).items():
-        piece, value = state.pieces[name], state.tensors.get(name)
+    for name, keys in _written_keys(state, held.names()).items():
+        piece, value = held.pieces[name], held.tensors.get(name)
         if value is None or (piece.owner is not None and piece.owner != pp) \
                 or not writes_piece(piece):
             continue
@@ -200,14 +228,14 @@ def _rank_chunks(engine: Engine) -> list[Chunk]:
     return chunks
 
 
-def _local_chunks(engine: Engine) -> list[Chunk]:
+def _local_chunks(state: TrainState, run: RunRecord) -> list[Chunk]:
     """Every box this process writes: whole tensors, or under a simulated mesh the boxes
     the simulated ranks would write, cut from the whole tensors."""
-    tensors = engine.state.tensors
-    layout = _simulated_layout(engine)
+    tensors = state.tensors
+    layout = _simulated_layout(run)
     chunks = []
-    for name, keys in _written_keys(engine, [n for n, v in tensors.items()
-                                             if isinstance(v, torch.Tensor)]).items():
+    for name, keys in _written_keys(state, [n for n, v in tensors.items()
+                                            if isinstance(v, torch.Tensor)]).items():
         value = tensors[name]
         shape = tuple(value.shape)
         boxes = [b for p in layout[name] for b in piece_boxes(p)] if name in layout \
@@ -217,13 +245,12 @@ def _local_chunks(engine: Engine) -> list[Chunk]:
     return chunks
 
 
-def _simulated_layout(engine: Engine) -> dict[str, list[StatePiece]]:
+def _simulated_layout(run: RunRecord) -> dict[str, list[StatePiece]]:
     """Per state, the pieces the simulated ranks write (those of the plan that holds the
     most state: training's, when there is one)."""
-    if not engine.strategy.debug.simulate or not engine.planner.steps:
+    if not run.strategy.debug.simulate or not run.plans:
         return {}
-    lowered = max((s.lowered for s in engine.planner.steps.values()),
-                  key=lambda low: len(next(iter(low.processes.values())).state))
+    lowered = max(run.plans, key=lambda low: len(next(iter(low.processes.values())).state))
     if len(lowered.processes) < 2:
         return {}
     out: dict[str, list[StatePiece]] = {}
@@ -232,7 +259,7 @@ def _simulated_layout(engine: Engine) -> dict[str, list[StatePiece]]:
         pp = made.pp if isinstance(made, PipelineProcess) else None
         for name in held:
             piece = made.state[name]
-            if piece.const is not None or accumulated_param(name) is not None:
+            if piece.const is not None or checkpoint_key(piece.key) is None:
                 continue
             writers = out.setdefault(name, [])
             if (piece.owner is None or piece.owner == pp) and writes_piece(piece):
@@ -240,21 +267,26 @@ def _simulated_layout(engine: Engine) -> dict[str, list[StatePiece]]:
     return out
 
 
-def _trainer_state(engine: Engine) -> dict[str, Any]:
-    groups = engine.optimizer.param_groups if engine.optimizer is not None else []
-    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    state = {"format": FORMAT, "global_step": engine.global_step,
-             "batches_trained": engine.batches_trained, "epoch": engine.epoch,
-             "batch_in_epoch": engine.batch_in_epoch, "world_size": engine.launch.world_size,
-             "strategy": engine.strategy.to_yaml(), "torch": torch.__version__,
-             "lr_scheduler": scheduler,
-             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
+def _trainer_record(state: TrainState, run: RunRecord) -> dict[str, Any]:
+    optimizer, scheduler = state.optimizer, state.lr_scheduler
+    groups = optimizer.param_groups if optimizer is not None else []
+    progress = state.progress
+    record = {"format": FORMAT, "global_step": progress.global_step,
+              "batches_trained": progress.batches_trained, "epoch": progress.epoch,
+              "batch_in_epoch": progress.batch_in_epoch, "world_size": run.world_size,
+              "strategy": run.strategy.to_yaml(), "torch": torch.__version__,
+              "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+              "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+              # the typed keys of autopar's own states (the loss scaler's), to load them by
+              "extra_states": [{"kind": key.kind.value, "param": key.param, "key": key.key}
+                               for key in state.keys.values()
+                               if (checkpoint_key(key) or "").startswith(EXTRA)]}
     try:
-        json.dumps(state)
+        json.dumps(record)
     except TypeError as err:
         raise TypeError(f"save: the LR scheduler's or optimizer's param-group state holds a "
                         f"value a checkpoint cannot store as JSON ({err})") from None
-    return state
+    return record
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -289,21 +321,22 @@ class PendingLoad:
         return out
 
 
-def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
-    """Read the checkpoint at ``path`` into the engine, under the engine's own strategy;
-    returns its trainer state (every process calls it)."""
+def load_checkpoint(state: TrainState, runtime: Any, path: str | os.PathLike,
+                    run: RunRecord) -> dict[str, Any]:
+    """Read the checkpoint at ``path`` into the training state, under the run's own
+    strategy; returns its trainer record (every process calls it)."""
     path = Path(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(f"load: {path} is not a complete checkpoint (a directory "
                                 "with DCP's .metadata, not a .partial one)")
     metadata = SafeReader(path).read_metadata()
-    keys = _loadable(engine, metadata)
-    distributed = isinstance(engine.runtime, DistributedRuntime)
-    if distributed:
-        trainer = _load_rank(engine, path, metadata, keys)
+    trainer = json.loads(_read(path, [], [TRAINER_KEY])[TRAINER_KEY])
+    keys = _loadable(state, metadata, trainer)
+    if isinstance(runtime, DistributedRuntime):
+        _load_rank(state, runtime, path, metadata, keys, run)
     else:
-        trainer = _load_local(engine, path, metadata, keys)
-    _restore_trainer(engine, trainer)
+        _load_local(state, path, metadata, keys, run)
+    _restore_trainer(state, trainer)
     return trainer
 
 
@@ -316,12 +349,12 @@ def _read(path: Path, chunks: list[Chunk], blob_keys: list[str]) -> dict[str, by
     return planner.blobs
 
 
-def _load_local(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, str]
-                ) -> dict[str, Any]:
+def _load_local(state: TrainState, path: Path, metadata: Metadata, keys: dict[str, str],
+                run: RunRecord) -> None:
     """Whole tensors into this process's state: in place where the state already has the
     value (the model's own tensors), else new tensors the first step adopts."""
-    engine.state.materialize()
-    tensors = engine.state.tensors
+    state.materialize()
+    tensors = state.tensors
     chunks, fresh = [], {}
     for name, key in keys.items():
         saved = metadata.state_dict_metadata[key]
@@ -333,44 +366,43 @@ def _load_local(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, 
             dest = fresh[name] = torch.empty(shape, dtype=saved.properties.dtype)
         chunks.append(Chunk(key, shape, Box((0,) * len(shape), shape, (0,) * len(shape)),
                             dest))
-    blobs = _read(path, chunks, [TRAINER_KEY])
-    _dump(engine, f"load_{path.name}", chunks)
+    _read(path, chunks, [])
+    _dump(run, False, f"load_{path.name}", chunks)
     tensors.update(fresh)
-    engine.state.refresh_optimizer_state()
-    return json.loads(blobs[TRAINER_KEY])
+    state.refresh_optimizer_state()
 
 
-def _load_rank(engine: Engine, path: Path, metadata: Metadata, keys: dict[str, str]
-               ) -> dict[str, Any]:
+def _load_rank(state: TrainState, runtime: DistributedRuntime, path: Path, metadata: Metadata,
+               keys: dict[str, str], run: RunRecord) -> None:
     """Real processes: the pieces already placed are read in place; the rest wait for the
     step that places them (``PendingLoad``)."""
-    state = engine.runtime.state
+    held = runtime.state
     chunks = []
-    placed = {} if state is None else {n: state.pieces[n] for n in keys
-                                       if state.tensors.get(n) is not None}
+    placed = {} if held is None else {n: held.pieces[n] for n in keys
+                                      if held.tensors.get(n) is not None}
     for name, piece in placed.items():
         chunks += [Chunk(keys[name], tuple(piece.shape), box,
-                         _box_of(state.tensors[name], box, box.local))
+                         _box_of(held.tensors[name], box, box.local))
                    for box in piece_boxes(piece)]
-    blobs = _read(path, chunks, [TRAINER_KEY])
-    _dump(engine, f"load_{path.name}_in_place", chunks)
-    engine.state.pending = PendingLoad(
+    _read(path, chunks, [])
+    _dump(run, True, f"load_{path.name}_in_place", chunks)
+    state.pending = PendingLoad(
         path, metadata, {n: k for n, k in keys.items() if n not in placed},
-        lambda read: _dump(engine, f"load_{path.name}_placed_by_step", read))
-    return json.loads(blobs[TRAINER_KEY])
+        lambda read: _dump(run, True, f"load_{path.name}_placed_by_step", read))
 
 
-def _loadable(engine: Engine, metadata: Metadata) -> dict[str, str]:
-    """State name -> key of every value the checkpoint gives this engine; a checkpoint of
+def _loadable(state: TrainState, metadata: Metadata, trainer: dict[str, Any]
+              ) -> dict[str, str]:
+    """State name -> key of every value the checkpoint gives this run; a checkpoint of
     another model (missing, unexpected or reshaped keys) is refused, naming them."""
     saved = {k: v for k, v in metadata.state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
-    expected = _checkpoint_names(engine, engine.state.module_state_names())
-    shapes = {n: tuple(engine.state.tensors[n].shape) for n in expected}
+    expected = _checkpoint_names(state, state.module_state_names())
+    shapes = {n: tuple(state.tensors[n].shape) for n in expected}
     keys = dict(expected)
     problems = []
     missing = sorted(k for k in expected.values() if k not in saved)
-    known = set(expected.values()) | {MODEL + a for names in _aliases(engine.model).values()
+    known = set(expected.values()) | {MODEL + a for names in _aliases(state.model).values()
                                       for a in names}
     unexpected = sorted(k for k in saved if k.startswith(MODEL) and k not in known)
     reshaped = [f"{k}: saved {list(saved[k].size)}, model {list(shapes[n])}"
@@ -380,49 +412,55 @@ def _loadable(engine: Engine, metadata: Metadata) -> dict[str, str]:
         if items:
             problems.append(f"{what} ({len(items)}): " + ", ".join(items[:20])
                             + (" ..." if len(items) > 20 else ""))
-    optim_keys, optim_problems = _optimizer_keys(engine, saved)
+    optim_keys, optim_problems = _optimizer_keys(state, saved)
     problems += optim_problems
     if problems:
         raise CheckpointMismatch("load: the checkpoint does not match this model:\n  "
                                  + "\n  ".join(problems))
     keys.update(optim_keys)
-    module = set(engine.state.module_state_names())
-    keys.update({n: checkpoint_key(n, module) for n in engine.state.tensors
-                 if n not in module and checkpoint_key(n, module) in saved})
+    # autopar's own states (the loss scaler's), by the typed keys the record lists
+    extra = [StateKey(StateKind(e["kind"]), e["param"], e["key"])
+             for e in trainer.get("extra_states", ())]
+    state.learn_keys(extra)
+    keys.update({key.name: checkpoint_key(key) for key in extra if checkpoint_key(key) in saved})
     return keys
 
 
-def _optimizer_keys(engine: Engine, saved: Mapping[str, Any]) -> tuple[dict[str, str], list]:
-    """Optimizer state ``<fqn>/<key>`` -> its checkpoint key, and what does not fit this
-    optimizer (state of another optimizer kind, of a parameter it does not train). An engine
-    without an optimizer reads none."""
-    if engine.optimizer is None:
+def _optimizer_keys(state: TrainState, saved: Mapping[str, Any]
+                    ) -> tuple[dict[str, str], list]:
+    """Optimizer state name -> its checkpoint key, and what does not fit this optimizer
+    (state of another optimizer kind, of a parameter it does not train). A run without an
+    optimizer reads none. The typed keys are learned (``TrainState.keys``)."""
+    optimizer = state.optimizer
+    if optimizer is None:
         return {}, []
-    names = engine.state.param_names
-    expected: dict[str, str] = {}
-    for group in engine.optimizer.param_groups:
+    expected: dict[str, StateKey] = {}
+    for group in optimizer.param_groups:
         for p in group["params"]:
-            fqn = names[id(p)]
-            for k, _ in rule_for(engine.optimizer).states(group):
-                expected[f"{OPTIM}{fqn}.{k}"] = f"{fqn}/{k}"
+            for k, _ in rule_for(optimizer).states(group):
+                key = StateKey.optimizer(state.param_names[id(p)], k)
+                expected[checkpoint_key(key)] = key
     unexpected = sorted(k for k in saved if k.startswith(OPTIM) and k not in expected)
-    problems = [f"optimizer state this {type(engine.optimizer).__name__} does not have "
+    problems = [f"optimizer state this {type(optimizer).__name__} does not have "
                 f"({len(unexpected)}): " + ", ".join(unexpected[:20])] if unexpected else []
-    return {n: k for k, n in expected.items() if k in saved}, problems
+    found = {k: key for k, key in expected.items() if k in saved}
+    state.learn_keys(found.values())
+    return {key.name: k for k, key in found.items()}, problems
 
 
-def _restore_trainer(engine: Engine, trainer: dict[str, Any]) -> None:
+def _restore_trainer(state: TrainState, trainer: dict[str, Any]) -> None:
     if trainer.get("format") != FORMAT:
         raise CheckpointMismatch(f"load: trainer state of format {trainer.get('format')!r}, "
                                  f"expected {FORMAT!r}")
-    engine.global_step = trainer["global_step"]
-    engine.batches_trained = trainer["batches_trained"]
-    engine.epoch, engine.batch_in_epoch = trainer["epoch"], trainer["batch_in_epoch"]
-    engine.resume_at = (trainer["epoch"], trainer["batch_in_epoch"])
-    if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
-    if engine.optimizer is not None and trainer["param_groups"]:
-        _restore_groups(engine.optimizer, trainer["param_groups"])
+    progress = state.progress
+    progress.global_step = trainer["global_step"]
+    progress.batches_trained = trainer["batches_trained"]
+    progress.epoch, progress.batch_in_epoch = trainer["epoch"], trainer["batch_in_epoch"]
+    progress.resume_at = (trainer["epoch"], trainer["batch_in_epoch"])
+    if state.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
+        state.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+    if state.optimizer is not None and trainer["param_groups"]:
+        _restore_groups(state.optimizer, trainer["param_groups"])
 
 
 def _restore_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
