@@ -5,9 +5,10 @@ O2 casts parameters to the half dtype at the top of the step with fp32 master we
 Serially both equal an eager loop written with the same casts, bit for bit. Across ranks a
 sum over dp rounds differently than one device's (each rank's half gradient is rounded to
 bf16 before the sum), so the references there are what torch itself does across ranks:
-dp2 O1 equals torch DDP + autocast on 2 gloo ranks bit for bit; tp, sp and pp stay within
-twice DDP's deviation from serial eager autocast; O2 on dp2 (and ZeRO-3) equals two eager
-ranks written out with the gradient sum in ``reduce_dtype``, bit for bit.
+dp2 O1 equals torch DDP + autocast on 2 gloo ranks bit for bit; tp, sp and pp move the
+parameters within twice DDP's deviation from serial eager autocast, and their losses equal
+serial's at bf16's precision; O2 on dp2 (and ZeRO-3) equals two eager ranks written out with
+the gradient sum in ``reduce_dtype``, bit for bit.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Callable
 
 import pytest
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 import autopar as ap
@@ -259,6 +261,17 @@ def autopar_o1(sections: dict) -> tuple[list[float], dict]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def assert_within_ddp(ours: tuple[float, float], ddp: tuple[float, float]) -> None:
+    """The parameters within twice DDP's deviation: both runs on this machine's kernels, and
+    an aggregate over every element (under every kernel selection tried, by
+    ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, 1.4-1.6x). Each loss within bf16's epsilon
+    (2^-7) of serial's, relative: one step's loss moves by where its roundings fell (its
+    largest deviation over 10 steps ran from 0.6x to 4x DDP's between kernel selections, at
+    1e-5 to 5e-5), so it is judged at the precision its bf16 logits carry."""
+    assert ours[1] <= 2 * ddp[1]
+    assert ours[0] <= torch.finfo(BF16).eps
+
+
 def say_deviations(layout: str, ours: tuple[float, float], ddp: tuple[float, float]) -> None:
     print(f"\n{layout} O1 vs serial eager autocast (loss rel, param update rel-l2): "
           f"autopar {ours[0]:.2e}, {ours[1]:.2e}; torch DDP {ddp[0]:.2e}, {ddp[1]:.2e}")
@@ -285,13 +298,13 @@ def test_o1_tp_sp_pp_within_twice_torch_ddp_deviation(config, capsys):
     DTensor with autocast, where eager rounds the whole sum once: one more bf16 rounding per
     such layer than dp has. A pipeline sums 4 micro-batches' gradients (in fp32, after their
     casts, as gradient accumulation under autocast does). Measured (10 steps): dp2 x tp2
-    1.5x DDP's parameter deviation, 0.8x its loss deviation; hence the bound of twice DDP's."""
+    1.5x DDP's parameter deviation; hence the bound of twice DDP's (``assert_within_ddp``)."""
     sections = ap.Strategy.from_yaml(CONFIGS / f"{config}.yaml").model_dump(
         exclude={"debug"}, exclude_unset=True)
     ours, ddp = deviation(autopar_o1(sections)), deviation(torch_ddp_o1())
     with capsys.disabled():
         say_deviations(config, ours, ddp)
-    assert ours[0] <= 2 * ddp[0] and ours[1] <= 2 * ddp[1]
+    assert_within_ddp(ours, ddp)
 
 
 def accumulated_o1(steps: int, k: int, batch: int, sections: dict | None
@@ -323,8 +336,8 @@ def accumulated_o1(steps: int, k: int, batch: int, sections: dict | None
 def test_o1_with_recompute_and_gradient_merge(capsys):
     """All three: serially O1 + recompute of the blocks + merging 2 batches equals eager
     autocast with accumulation bit for bit (dividing by k = 2 is exact); on dp2 x tp2
-    (simulator) it stays within twice DDP's deviation, as O1 alone does (measured: loss
-    1.2x, parameters 1.4x DDP's)."""
+    (simulator) it stays within DDP's bounds, as O1 alone does (``assert_within_ddp``;
+    measured: parameters 1.4x DDP's)."""
     want = accumulated_o1(DP_STEPS, 2, 2, None)
     got = accumulated_o1(DP_STEPS, 2, 2, {})
     assert got[0] == want[0]
@@ -336,7 +349,7 @@ def test_o1_with_recompute_and_gradient_merge(capsys):
     ours, ddp = deviation(run, want), deviation(torch_ddp_o1())
     with capsys.disabled():
         say_deviations("dp_tp + recompute + merge k=2", ours, ddp)
-    assert ours[0] <= 2 * ddp[0] and ours[1] <= 2 * ddp[1]
+    assert_within_ddp(ours, ddp)
 
 
 # --------------------------------------------------------------------------------------
@@ -429,35 +442,69 @@ def test_o2_zero3_bf16_reductions_on_real_ranks_equal_eager():
 
 
 # --------------------------------------------------------------------------------------
-# O2 trains like fp32
+# O2 over a long run: eager O2's training, step for step
 # --------------------------------------------------------------------------------------
-def demo_gpt_losses(amp: bool, steps: int = 200, batch: int = 16) -> tuple[list[float], float]:
-    """A small character-level GPT on ``demo.py``'s text (the Python standard library's
-    source): each step's training loss and the loss on held-out windows after ``steps``."""
-    from autopar.demo import encode, stdlib_text, windows
+DEMO_STEPS, DEMO_BATCH = 200, 16
+
+
+def demo_gpt() -> tuple[torch.nn.Module, torch.optim.Optimizer, LRScheduler]:
+    """A small character-level GPT with AdamW (weight decay) and a cosine LR schedule."""
     from autopar.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=DEMO_STEPS,
+                                                           eta_min=3e-4)
+    return model, optimizer, scheduler
+
+
+@functools.cache
+def demo_windows() -> tuple[list, list]:
+    """``demo.py``'s text (the Python standard library's source) in windows of 32: the
+    training windows and 128 held-out ones."""
+    from autopar.demo import encode, stdlib_text, windows
     tokens = encode(stdlib_text(200_000))
     split = int(len(tokens) * 0.95)
-    config = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
-    train, valid = (windows(part, config.block_size) for part in (tokens[:split], tokens[split:]))
-    torch.manual_seed(0)
-    model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps, eta_min=3e-4)
-    strategy = amp_strategy("O2") if amp else ap.Strategy()
-    engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy, lr_scheduler=scheduler)
-    losses = engine.fit(train, batch_size=batch, steps_per_epoch=steps, verbose=0)["loss"]
-    return losses, engine.evaluate(valid[:128], batch_size=batch)["loss"]
+    return windows(tokens[:split], 32), windows(tokens[split:], 32)[:128]
 
 
-def test_o2_bf16_gpt_trains_within_2_percent_of_fp32(capsys):
-    """200 steps: the mean loss of the last 20 and the held-out loss within 2% of fp32's
-    (measured: 0.06% and 0.7%), and both learned (from ln 128 = 4.85)."""
-    (fp32, fp32_valid), (o2, o2_valid) = demo_gpt_losses(False), demo_gpt_losses(True)
-    tail32, tail16 = sum(fp32[-20:]) / 20, sum(o2[-20:]) / 20
+def engine_o2_demo() -> tuple[list[float], float, torch.nn.Module]:
+    """The engine's O2 bf16 run: each step's loss, the held-out loss after it, the model."""
+    model, optimizer, scheduler = demo_gpt()
+    train, valid = demo_windows()
+    engine = ap.Engine(model, lm_loss, optimizer, strategy=amp_strategy("O2"),
+                       lr_scheduler=scheduler)
+    losses = engine.fit(train, batch_size=DEMO_BATCH, steps_per_epoch=DEMO_STEPS,
+                        verbose=0)["loss"]
+    return losses, engine.evaluate(valid, batch_size=DEMO_BATCH)["loss"], model
+
+
+def eager_o2_demo() -> tuple[list[float], float, torch.nn.Module]:
+    """The same run eagerly (``o2_forward``), the held-out loss the mean weighted by batch
+    size as ``Engine.evaluate`` takes it."""
+    model, optimizer, scheduler = demo_gpt()
+    train, valid = demo_windows()
+    losses = eager_run(model, o2_forward, train, DEMO_STEPS, DEMO_BATCH, optimizer, scheduler)
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for x, y in DataLoader(valid, batch_size=DEMO_BATCH):
+            total, count = total + o2_forward(model, x, y).item() * len(x), count + len(x)
+    return losses, total / count, model
+
+
+def test_o2_bf16_gpt_trains_200_steps_as_eager_o2(capsys):
+    """200 steps of O2 bf16 on real text (AdamW, weight decay, a cosine schedule), then the
+    held-out loss: every loss and the final fp32 master weights equal eager O2 on this
+    machine bit for bit, and it learned (from ln 128 = 4.85). Not a margin to fp32: how far
+    bf16 lands from fp32 after 200 steps depends on the kernels a CPU's features select
+    (measured here, by ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA, from -5% to +3% held-out),
+    while the same ops in the same order round the same on any CPU."""
+    (got, got_valid, model), (want, want_valid, reference) = engine_o2_demo(), eager_o2_demo()
+    tail = sum(got[-20:]) / 20
     with capsys.disabled():
-        print(f"\n200 steps, mean of the last 20 / held-out: fp32 {tail32:.4f} / "
-              f"{fp32_valid:.4f}, O2 bf16 {tail16:.4f} / {o2_valid:.4f}")
-    assert tail32 < 0.7 * fp32[0] and tail16 < 0.7 * o2[0]
-    assert abs(tail16 - tail32) <= 0.02 * tail32
-    assert abs(o2_valid - fp32_valid) <= 0.02 * fp32_valid
+        print(f"\n{DEMO_STEPS} steps O2 bf16, mean of the last 20 / held-out: {tail:.4f} / "
+              f"{got_valid:.4f} (eager O2 {sum(want[-20:]) / 20:.4f} / {want_valid:.4f})")
+    assert got == want and got_valid == want_valid
+    assert_equal_state(model, reference)
+    assert tail < 0.7 * got[0]
