@@ -28,6 +28,7 @@ import torch
 
 from ..ir import Op, OpKind, Program, Value
 from ..ir.attrs import NAME, STATE
+from ..pipeline.phases import HOMES, STAGE
 
 __all__ = ["LayerClass", "RepeatedLayers", "repeated_layers", "layer_of"]
 
@@ -126,16 +127,20 @@ def _leaf(a: Any, local: dict[Value, tuple[int, int]]) -> Hashable:
         return repr(a)
 
 
+_ASIDE = (NAME, STATE, STAGE, HOMES)
+
+
 def _signature(ops: list[Op], rest: dict[Op, str], instance: Instance) -> tuple:
     local: dict[Value, tuple[int, int]] = {}
     own = f"{instance[0]}.{instance[1]}."
     sig = []
     for k, op in enumerate(ops):
         # names aside: a text attribute naming the instance's own modules (a ZeRO gather's
-        # origin) says the same of every instance
+        # origin) says the same of every instance; and so does a layer on another pipeline
+        # stage (the stage says where it runs, not what it computes)
         attrs = tuple(sorted((key.name, v.replace(own, "<layer>.") if isinstance(v, str)
                               else _leaf(v, {}))
-                             for key, v in op.attrs.items() if key not in (NAME, STATE)))
+                             for key, v in op.attrs.items() if key not in _ASIDE))
         outs = tuple((str(v.type), v.dist if v.is_tensor else None) for v in op.outputs)
         kind = op.attrs[STATE].kind if op.kind is OpKind.STATE else None    # names aside
         sig.append((op.kind, kind, op.target, op.role, rest[op], _leaf(op.args, local),

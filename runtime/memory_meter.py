@@ -239,7 +239,8 @@ class RankMeter:
     def held(self) -> dict[str, int]:
         return self.process.held()
 
-    def run(self, feeds: dict[str, Any], seed: int | None = None) -> dict[Slot, Any]:
+    def run(self, feeds: dict[str, Any], seed: int | None = None, batch: int = 0
+            ) -> dict[Slot, Any]:
         if isinstance(self.executor, PipelineExecutor):
             return self._run_pipeline(feeds, seed)
         return self._run_program(feeds, seed)

@@ -122,6 +122,19 @@ def test_verifier_rejects_missing_output_and_duplicate_state():
         verify(_program_with(a, b, _output(a.result)))
 
 
+def test_a_state_op_says_what_it_reads_by_its_typed_key():
+    """A state's NAME is its ``StateKey``'s name: what a state is (whose optimizer state,
+    which accumulator) is read from the key, never split from the name."""
+    key = StateKey.optimizer("fc.weight", "exp_avg")
+    assert key.name == "fc.weight/exp_avg" and key.param == "fc.weight" and not key.of_module
+    assert StateKey.accumulator("fc.weight").name == "gradient_merge/fc.weight"
+    assert StateKey.scaler("loss_scale").name == "amp/loss_scale"
+    a = _state("w")
+    a.attrs[NAME] = "v"
+    with pytest.raises(VerificationError, match="NAME 'v' is not its StateKey's"):
+        verify(_program_with(a, _output(a.result)))
+
+
 def test_verifier_rejects_forward_reading_backward():
     a = _state("a")
     back = Op(OpKind.CALL, "aten.neg.default", args=(a.result,), role=Role.BACKWARD,

@@ -66,7 +66,7 @@ def _lowered(engine, x, y):
     state = dict(engine.state.tensors)
     for name, piece in next(iter(lowered.processes.values())).state.items():
         if name not in state and piece.const is None:
-            state[name] = engine.state.initial(name)
+            state[name] = engine.state.initial(piece)
     return step.program, lowered, state
 
 

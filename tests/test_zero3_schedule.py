@@ -24,7 +24,7 @@ from autopar.ir.printer import value_names
 from autopar.lower.comms import member_shapes
 from autopar.lower.executable import GatherStart
 from autopar.models import GPT, GPTConfig
-from autopar.planning.manager import PassManager
+from autopar.passes import pass_manager
 from autopar.reshard.comm import FOR_ROLE
 from autopar.reshard.steps import AllGather
 from autopar.runtime.memory_meter import measure_step
@@ -78,8 +78,8 @@ def test_peak_drops_by_the_parameters_the_forward_kept(monkeypatch):
     after, measured = _predicted_and_measured(engine)
     assert abs(after - measured) <= 0.1 * measured
     ahead = _largest_prefetch(engine)
-    monkeypatch.setattr(planner, "PassManager",
-                        functools.partial(PassManager, disabled=SCHEDULE))
+    monkeypatch.setattr(planner, "pass_manager",
+                        functools.partial(pass_manager, disabled=SCHEDULE))
     engine, _ = _engine(_strategy())
     before, measured_before = _predicted_and_measured(engine)
     assert abs(before - measured_before) <= 0.1 * measured_before
