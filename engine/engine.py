@@ -505,8 +505,8 @@ class Engine:
     def save(self, path: str | os.PathLike, format: str = "dcp") -> Path:
         """``format="full"``: export the model's ``state_dict`` whole as one ``safetensors``
         file that ``model.load_state_dict`` and Hugging Face ``from_pretrained`` read
-        (``engine.export``; gathered one tensor at a time; ``path`` a file, or a directory
-        for ``path/model.safetensors``). Otherwise write a checkpoint to the directory
+        (``state.safetensors_export``; gathered one tensor at a time; ``path`` a file, or a
+        directory for ``path/model.safetensors``). Otherwise write a checkpoint to the directory
         ``path`` on torch.distributed.checkpoint: each process writes only the pieces it
         holds (parameters, buffers, optimizer and loss-scaler state) under their global
         shapes, with what exact resume needs (step counters, data position, LR scheduler

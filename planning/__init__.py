@@ -12,8 +12,8 @@ The passes themselves, in order, are ``autopar.passes``.
 """
 from .context import Fact, FactError, PassContext, PlanInputs, PlanState
 from .explain import explain_value, summarize
-from .manager import Pass, PassManager
+from .manager import Pass, PassManager, make_pass
 from .parallel_layout import ParallelLayout
 
 __all__ = ["Fact", "FactError", "PassContext", "PlanInputs", "PlanState", "explain_value",
-           "summarize", "Pass", "PassManager", "ParallelLayout"]
+           "summarize", "Pass", "PassManager", "make_pass", "ParallelLayout"]

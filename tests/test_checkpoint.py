@@ -254,7 +254,8 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypa
     engine.fit(DATA, batch_size=4, epochs=1, steps_per_epoch=2, verbose=0)
     engine.save(tmp_path / "step_00000002")
     before = {k: v.clone() for k, v in engine.state_dict().items()}
-    engine.fit(DATA, batch_size=4, epochs=1, steps_per_epoch=2, verbose=0)
+    engine.fit(DATA, batch_size=4, epochs=2, steps_per_epoch=2, verbose=0)
+    assert engine.global_step == 4
 
     def broken(self, plan, planner):
         raise OSError("disk full")

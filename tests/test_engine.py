@@ -102,6 +102,38 @@ def test_unsupported_strategy_section_is_refused_up_front(monkeypatch):
         _mlp_engine(strategy=strategy)
 
 
+def test_a_new_pass_needs_nothing_from_the_engine(monkeypatch):
+    """What a pass needs of the engine it declares: its state's start (``FILL``) and what it
+    reports (``report[...]`` results go into the history by name). A pass counting optimizer
+    steps, added to the pipeline as a new strategy-level pass would be, trains through
+    ``Engine.fit`` as it is: the state starts at its fill, carries over between steps and
+    back into the engine's state, and the history has its report."""
+    import autopar.passes as passes
+    from autopar.ir import Role, Slot, StateKey, TensorType, state_op
+    from autopar.planning import Fact, make_pass
+
+    key = StateKey.scaler("optimizer_steps")     # a pass's own scalar state, like the scaler's
+
+    def count_steps(program, ctx):
+        if ctx.mode != "train":
+            return program
+        seen = program.add(state_op(key, TensorType((), torch.float32), Role.OPTIMIZER, 0.0))
+        now = program.add_call("aten.add.Tensor", (seen.result, 1.0),
+                               [TensorType((), torch.float32)], role=Role.OPTIMIZER)
+        program.set_results(program.results() + [(Slot("update", key.name), now.result),
+                                                 (Slot("report", "optimizer_steps"),
+                                                  now.result)])
+        return program
+
+    at = [p.name for p in passes.PIPELINE].index("optimizer_updates") + 1
+    monkeypatch.setattr(passes, "PIPELINE", passes.PIPELINE[:at] + (
+        make_pass("count_steps", count_steps, needs=(Fact.OPTIMIZER,)),) + passes.PIPELINE[at:])
+    _, engine = _mlp_engine()
+    history = engine.fit(regression_data(12, 16, 8), batch_size=4, verbose=0)
+    assert history["optimizer_steps"] == [1.0, 2.0, 3.0]
+    assert engine.state.tensors[key.name].item() == 3.0
+
+
 def test_a_distributed_plan_without_its_processes_is_refused_not_run_serially():
     strategy = ap.Strategy(mesh={"shape": [2], "dim_names": ["dp"]}, data_parallel={"axis": "dp"})
     _, engine = _mlp_engine(strategy=strategy)
