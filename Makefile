@@ -27,6 +27,7 @@ golden: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) bench/serial.py
+	$(PY) bench/compile.py
 	$(PY) bench/plan.py
 	$(PY) bench/dp_vs_ddp.py
 	$(PY) bench/tp_vs_dtensor.py

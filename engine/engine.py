@@ -27,7 +27,14 @@ from ..lower import lower_program
 from ..passes import pass_manager
 from ..pipeline import chrome_trace
 from ..planning import ParallelLayout, explain_value, summarize
-from ..runtime import DistributedRuntime, Divergence, LocalRuntime, locate_divergence
+from ..runtime import (
+    RUNTIME_SECTIONS,
+    DistributedRuntime,
+    Divergence,
+    LocalRuntime,
+    compile_seconds,
+    locate_divergence,
+)
 from ..state import RunRecord, TrainState, export_full, load_checkpoint, save_checkpoint
 from ..strategy import Strategy
 from .auto_strategy import auto_profile, plan_auto, with_auto
@@ -38,7 +45,8 @@ from .offline import finish_offline_plan
 from .planner import PlannedStep, Planner, StepCost
 
 # Sections the engine honours itself, besides those the passes implement
-# (``PassManager.sections``): ``auto`` is settled on the first batch, before planning.
+# (``PassManager.sections``) and the runtime's (``compile``): ``auto`` is settled on the
+# first batch, before planning.
 ENGINE_SECTIONS: frozenset[str] = frozenset({"auto"})
 
 Metric = Callable[[Any, Any], float]
@@ -69,7 +77,8 @@ class Engine:
             strategy = with_auto(strategy or Strategy(), offline.auto,
                                  keep_layout=offline.strategy is not None)
         self.strategy = strategy if strategy is not None else Strategy()
-        self.strategy.check_supported(pass_manager().sections | ENGINE_SECTIONS)
+        self.strategy.check_supported(pass_manager().sections | RUNTIME_SECTIONS
+                                      | ENGINE_SECTIONS)
         # ``auto``: the planner picks the strategy on the first batch (``_settle_auto``)
         self.auto_plan: AutoPlan | None = None
         self._check_auto_devices()
@@ -94,6 +103,7 @@ class Engine:
         self.planner = self._planner(layout)
         self.history: dict[str, list[float]] = {}
         self.stop_training = False   # a callback sets it; fit checks it after each batch
+        self.last_compile_s = 0.0    # seconds the last step spent compiling (``compile:``)
         self.closed = False
 
     # how far the run has trained (the training state's ``Progress``)
@@ -280,8 +290,10 @@ class Engine:
                                            accumulate_only=part is not step)
             if found is not None:
                 raise DivergenceError(str(found))
+        compiled = compile_seconds(step.executor)
         results = step.executor.run(self._feeds(inputs, labels, "train"), seed=seed,
                                     batch=batch)
+        self._record_compile(compile_seconds(step.executor) - compiled)
         self._record_reports(results)
         self.state.progress.batches_trained += 1
         if step.lowered.steps_optimizer(batch):
@@ -300,6 +312,13 @@ class Engine:
         Keras and Paddle step it, not once per optimizer step."""
         return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
+    def _record_compile(self, seconds: float) -> None:
+        """``compile:``: a step that compiled its program says how long that took (the
+        history's ``compile_s``, and the step's log line)."""
+        self.last_compile_s = seconds
+        if seconds > 0:
+            self.history.setdefault("compile_s", []).append(seconds)
+
     def _record_reports(self, results: dict[Slot, Any]) -> None:
         """What the step reports besides its loss goes into the history under its name: with
         loss scaling, the scale this step's gradients were scaled by (``loss_scale``) and
@@ -312,7 +331,9 @@ class Engine:
 
     def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[float | None, Any]:
         step = self._ready(mode, inputs, labels)
+        compiled = compile_seconds(step.executor)
         results = step.executor.run(self._feeds(inputs, labels, mode))
+        self._record_compile(compile_seconds(step.executor) - compiled)
         loss = results.get(Slot("loss"))
         outputs = [v for s, v in results.items() if s.kind == "output"]
         return (None if loss is None else float(loss)), _rebuild(step.spec, outputs)
@@ -401,7 +422,8 @@ class Engine:
             losses.append(self.train_step(inputs, labels))
             self.state.progress.batch_in_epoch = step
             self.history.setdefault("loss", []).append(losses[-1])
-            hooks.call("on_step_end", step, {"loss": losses[-1]})
+            compiled = {"compile_s": self.last_compile_s} if self.last_compile_s else {}
+            hooks.call("on_step_end", step, {"loss": losses[-1], **compiled})
             if self.stop_training:
                 break
         return sum(losses) / max(len(losses), 1)

@@ -24,6 +24,7 @@ from ..capture import Precision, StepSpec, capture
 from ..cost import Profile, StepTime, predict_step
 from ..ir import NAME, Program, StateKind
 from ..lower import (
+    CompileSpec,
     Dump,
     Lowered,
     MemoryEstimate,
@@ -138,7 +139,8 @@ class Planner:
         dump = None if self.dump_dir is None else Dump(
             self.dump_dir, ctx.inputs.dump_prefix, len(manager.passes) + 1)
         lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
-                                self._processes(facts), dump, check=self.strategy.debug.verify)
+                                self._processes(facts), dump, check=self.strategy.debug.verify,
+                                compile=self._compile())
         step = PlannedStep(captured.spec, program, facts, dict(manager.timings), lowered)
         if dump is not None or self.strategy.memory_limit_gb is not None:
             estimates = self.memory(step)
@@ -149,6 +151,13 @@ class Planner:
                                f"planning the {mode} step on {facts.mesh or 'one process'} "
                                f"({self._sharding_text()})")
         return step
+
+    def _compile(self) -> CompileSpec | None:
+        """The strategy's ``compile`` section as the runtime reads it (None: off)."""
+        config = self.strategy.compile
+        if not config.is_enabled:
+            return None
+        return CompileSpec(config.backend, config.mode, config.fallback, config.cache_dir)
 
     def _precision(self) -> Precision | None:
         """The strategy's ``amp`` section as capture computes it (None: off)."""

@@ -10,7 +10,7 @@
 
 The runtime imports only ``executable`` and ``pipeline.jobs`` (types): it never plans.
 """
-from .executable import Lowered, PipelineProcess, RankProgram, StatePiece
+from .executable import CompileSpec, Lowered, PipelineProcess, RankProgram, StatePiece
 from .lowering import Dump, LoweringError, lower_program
 from .memory_estimate import (
     MemoryEstimate,
@@ -20,6 +20,6 @@ from .memory_estimate import (
     format_estimates,
 )
 
-__all__ = ["Lowered", "PipelineProcess", "RankProgram", "StatePiece", "Dump", "LoweringError",
-           "lower_program", "MemoryEstimate", "MemoryLimitError", "check_memory_limit",
-           "estimate_memory", "format_estimates"]
+__all__ = ["CompileSpec", "Lowered", "PipelineProcess", "RankProgram", "StatePiece", "Dump",
+           "LoweringError", "lower_program", "MemoryEstimate", "MemoryLimitError",
+           "check_memory_limit", "estimate_memory", "format_estimates"]

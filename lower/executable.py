@@ -27,9 +27,9 @@ from ..pipeline.layout import PipelineLayout
 from ..pipeline.schedules import PipelineSchedule
 from ..reshard.steps import Step
 
-__all__ = ["StepComm", "BucketStart", "BucketWait", "GatherStart", "GatherWait", "ScatterStart",
-           "ScatterWait", "Send", "Recv", "Comm", "StatePiece", "ResultLayout", "RankProgram",
-           "JobProgram", "PipelineProcess", "Lowered", "Shape"]
+__all__ = ["CompileSpec", "StepComm", "BucketStart", "BucketWait", "GatherStart", "GatherWait",
+           "ScatterStart", "ScatterWait", "Send", "Recv", "Comm", "StatePiece", "ResultLayout",
+           "RankProgram", "JobProgram", "PipelineProcess", "Lowered", "Shape"]
 
 Shape = tuple[int, ...]
 Slices = tuple[slice, ...]
@@ -127,6 +127,18 @@ class StatePiece:
 
 
 @dataclass(frozen=True)
+class CompileSpec:
+    """How the runtime compiles a process's program (``compile:`` in the strategy):
+    ``torch.compile``'s backend and mode, what a program it refuses does (``error`` or
+    ``eager``), and Inductor's cache directory (None: torch's default)."""
+
+    backend: str = "inductor"
+    mode: str = "default"
+    fallback: str = "error"
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
 class ResultLayout:
     """A program result's global shape and placement (to assemble it from pieces)."""
 
@@ -189,6 +201,7 @@ class Lowered:
     # ``accumulating`` (gradients summed, no update) and the k-th runs this program
     accumulating: "Lowered | None" = None
     k_steps: int = 1
+    compile: CompileSpec | None = None      # None: the runtime runs the programs uncompiled
 
     def steps_optimizer(self, batch: int) -> bool:
         """Whether the run's ``batch``-th training batch (0-based) steps the optimizer:

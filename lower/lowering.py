@@ -33,6 +33,7 @@ from ..pipeline.schedules import PipelineSchedule
 from .comms import comm_spec, state_piece
 from .executable import (
     Comm,
+    CompileSpec,
     JobProgram,
     Lowered,
     PipelineProcess,
@@ -69,12 +70,14 @@ class Dump:
 def lower_program(program: Program, mesh: ProcessMesh | None,
                   pipeline: PipelineLayout | None, schedule: PipelineSchedule | None,
                   processes: Iterable[int] | None = None, dump: Dump | None = None,
-                  check: bool = True) -> Lowered:
-    """Lower ``program`` for ``processes`` (all of the plan's when None)."""
+                  check: bool = True, compile: CompileSpec | None = None) -> Lowered:
+    """Lower ``program`` for ``processes`` (all of the plan's when None); ``compile``: how
+    the runtime compiles the programs (None: not at all)."""
     results = tuple(ResultLayout(slot, tuple(v.type.shape) if v.is_tensor else None, v.dist)
                     for slot, v in program.results())
     random = any(draws_random(op) for op in program.ops_of(OpKind.CALL))
-    lowered = Lowered(program, mesh, {}, results, pipeline, schedule, draws_random=random)
+    lowered = Lowered(program, mesh, {}, results, pipeline, schedule, draws_random=random,
+                      compile=compile)
     if pipeline is not None:
         _lower_pipeline(lowered, processes, dump, check)
     elif mesh is None or mesh.size == 1:

@@ -87,12 +87,16 @@ def recompute(program: Program, ctx: PassContext) -> Program:
 
 
 def modules_of(program: Program, patterns: tuple[str, ...]) -> tuple[str, ...]:
-    """What to recompute: the strategy's patterns, or every repeated layer when it gives
-    none (an error naming the problem when the model has none)."""
+    """What to recompute: the strategy's patterns, or when it gives none every repeated
+    layer (identical instances of a module list; a list's only instance too: a stack of
+    one), an error naming the problem when the model has none."""
     if patterns:
         return patterns
-    layers = tuple(f"{c.container}.{i}" for c in repeated_layers(program).classes
-                   for i in c.indices)
+    found = repeated_layers(program)
+    containers = [container for container, _ in found.untied]
+    alone = [(c, i) for c, i in found.untied if containers.count(c) == 1]   # a stack of one
+    layers = tuple(sorted(f"{c.container}.{i}" for c in found.classes for i in c.indices)
+                   + [f"{c}.{i}" for c, i in alone])
     if not layers:
         raise ValueError("recompute: {enable: true} without modules recomputes every repeated "
                          "layer (the instances of a module list of identical layers), and "

@@ -3,6 +3,7 @@
     runtimes            LocalRuntime (this process) / DistributedRuntime (torchrun ranks):
                         where state lives, and which executor runs a lowered plan
     executor            the Executor interface; ProgramExecutor (serial, or one real rank)
+    compiled            a program's generated function through torch.compile (``compile:``)
     cycle               CycleExecutor: gradient merge's pair of programs, stepped by batch
     simulator           SimulatedExecutor: every rank of a plan in this process, exact
     pipeline_process    PipelineExecutor: one pipeline process's jobs on real processes
@@ -17,10 +18,15 @@
     memory_meter        measured live bytes of a step (to check the plan-time estimate)
     spawn               start local ranks without torchrun (tests, benchmarks)
 """
+from .compiled import CompileError, CompileNote
 from .divergence import Divergence, locate_divergence
-from .executor import Executor
+from .executor import Executor, compile_seconds
 from .rank_state import cut_piece
 from .runtimes import DistributedRuntime, Initial, LocalRuntime
 
-__all__ = ["Divergence", "locate_divergence", "Executor", "cut_piece", "DistributedRuntime",
-           "Initial", "LocalRuntime"]
+# Strategy sections the runtime implements itself (the passes implement the others)
+RUNTIME_SECTIONS = frozenset({"compile"})
+
+__all__ = ["RUNTIME_SECTIONS", "CompileError", "CompileNote", "compile_seconds", "Divergence",
+           "locate_divergence", "Executor", "cut_piece", "DistributedRuntime", "Initial",
+           "LocalRuntime"]

@@ -17,17 +17,19 @@ from ..ir.ops import op_info, resolve
 
 
 class _Emitter:
-    def __init__(self) -> None:
+    def __init__(self, traceable: bool = False) -> None:
         self.globals: dict[str, Any] = {}
         self.kernel_names: dict[str, str] = {}
+        self.traceable = traceable
 
     def kernel(self, target: str, batched: bool = False) -> str:
         key = target + ("[batched]" if batched else "")
         if key not in self.kernel_names:
             name = "k_" + "".join(c if c.isalnum() else "_" for c in key)
             fn = op_info(target).batched.kernel if batched else resolve(target)
-            # an OpOverload's __call__ only forwards to its C++ builtin: call that directly
-            self.globals[name] = getattr(fn, "_op", fn)
+            # an OpOverload's __call__ only forwards to its C++ builtin: call that directly,
+            # unless the code is to be traced (torch.compile follows OpOverloads)
+            self.globals[name] = fn if self.traceable else getattr(fn, "_op", fn)
             self.kernel_names[key] = name
         return self.kernel_names[key]
 
@@ -131,10 +133,12 @@ def _emit_batched(run: list[Op], em: _Emitter, names: dict[Value, str]) -> str:
 
 
 def generate(program: Program, name: str = "step",
-             comm: dict[Op, Callable] | None = None) -> tuple[Callable, str]:
+             comm: dict[Op, Callable] | None = None,
+             traceable: bool = False) -> tuple[Callable, str]:
     """Compile ``program`` to ``fn(feeds: dict, state: dict) -> tuple`` of its results.
-    ``comm`` binds each COMM op to the collective that runs it on this rank."""
-    em = _Emitter()
+    ``comm`` binds each COMM op to the collective that runs it on this rank; ``traceable``:
+    calls that ``torch.compile`` can trace (each op's ``OpOverload``)."""
+    em = _Emitter(traceable)
     names = {v: f"v{i}" for i, v in enumerate(v for op in program.ops for v in op.outputs)}
     dying = _last_uses(program)
     lines = [f"def {name}(feeds, state):"]

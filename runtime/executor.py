@@ -15,15 +15,16 @@ from typing import Any, Protocol
 import torch
 
 from ..ir import Slot
-from ..lower.executable import RankProgram
+from ..lower.executable import CompileSpec, RankProgram
 from .codegen import generate
 from .collectives import bind
+from .compiled import CompiledStep, not_compiled
 from .job_store import cut_feeds
 from .process_groups import MeshGroups
 from .rank_state import cut_piece
 from .seeding import forked_generator
 
-__all__ = ["Executor", "PipelinedExecutor", "ProgramExecutor"]
+__all__ = ["Executor", "PipelinedExecutor", "ProgramExecutor", "compile_seconds"]
 
 
 class Executor(Protocol):
@@ -37,6 +38,14 @@ class PipelinedExecutor(Executor, Protocol):
     def trace_events(self) -> list[tuple[int, str, float, float]]: ...
 
 
+def compile_seconds(executor: Any) -> float:
+    """Seconds ``executor`` spent compiling so far (0 when it does not compile)."""
+    parts = [getattr(executor, name, None) for name in ("accumulate", "apply")]
+    if any(parts):
+        return sum(compile_seconds(part) for part in parts)
+    return getattr(getattr(executor, "fn", None), "compile_s", 0.0)
+
+
 class ProgramExecutor:
     """Compiles a process's program once; ``run`` feeds a step and writes state updates back.
 
@@ -46,7 +55,7 @@ class ProgramExecutor:
     """
 
     def __init__(self, rank: RankProgram, state: dict[str, Any],
-                 groups: MeshGroups | None = None):
+                 groups: MeshGroups | None = None, compile: CompileSpec | None = None):
         self.rank, self.state = rank, state
         for name, piece in rank.state.items():
             if piece.const is not None:
@@ -59,7 +68,14 @@ class ProgramExecutor:
                              "process groups")
         ops = rank.program.ops
         comm = {ops[i]: bind(spec, groups) for i, spec in rank.comms.items()}
-        self.fn, self.source = generate(rank.program, comm=comm)
+        if compile is not None and rank.comms:
+            not_compiled(compile, f"process {rank.process}'s program",
+                         "its collectives do not run in a compiled graph yet")
+            compile = None
+        self.fn, self.source = generate(rank.program, comm=comm, traceable=compile is not None)
+        if compile is not None:
+            self.fn = CompiledStep(self.fn, self.source, rank.program, compile,
+                                   f"process {rank.process}'s program")
         slots: list[Slot] = [s for s, _ in rank.program.results()]
         self.slots = slots
         self._updates = [(i, s.name) for i, s in enumerate(slots) if s.kind == "update"]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..lower.executable import Lowered, PipelineProcess, RankProgram, StatePiece
+from .compiled import not_compiled
 from .cycle import CycleExecutor
 from .executor import Executor, ProgramExecutor
 from .pipeline_process import PipelineExecutor, logical_groups
@@ -44,6 +45,13 @@ def _executor(make: Callable[..., Executor], lowered: Lowered, initial: Initial,
         return make(lowered, initial, pieces)
     return CycleExecutor(lowered, make(lowered.accumulating, initial, pieces),
                          make(lowered, initial, pieces))
+
+
+def _not_compiled(lowered: Lowered, what: str) -> None:
+    """Plans this version runs uncompiled under ``compile:`` (said, or refused)."""
+    if lowered.compile is not None:
+        not_compiled(lowered.compile, what, "only a process's own program without "
+                     "collectives is compiled so far")
 
 
 def _processes(lowered: Lowered) -> int:
@@ -70,6 +78,9 @@ class LocalRuntime:
         for name, piece in next(iter(lowered.processes.values())).state.items():
             if name not in self.state and piece.const is None:
                 self.state[name] = initial(piece)
+        if lowered.pipeline is not None or processes > 1:
+            _not_compiled(lowered, "a pipeline's jobs" if lowered.pipeline is not None
+                          else "a simulated plan (every rank in this process)")
         if lowered.pipeline is not None:
             if processes == 1 and not self.simulate:
                 return PipelineExecutor(lowered.process(0), self.state,
@@ -77,7 +88,7 @@ class LocalRuntime:
             return PipelineSimulator(lowered, self.state)
         if processes > 1:
             return SimulatedExecutor(lowered, self.state)
-        return ProgramExecutor(lowered.process(0), self.state)
+        return ProgramExecutor(lowered.process(0), self.state, compile=lowered.compile)
 
     def names(self) -> list[str]:
         return sorted(self.state)
@@ -141,7 +152,7 @@ class DistributedRuntime:
         groups = mesh_groups(lowered.mesh)
         state = self._state(lowered.mesh, lambda: RankState(groups, device=self.device))
         state.adopt(made.state, made.state, initial, pieces)
-        return ProgramExecutor(made, state.tensors, groups)
+        return ProgramExecutor(made, state.tensors, groups, compile=lowered.compile)
 
     def _pipeline(self, lowered: Lowered, made: PipelineProcess, initial: Initial,
                   pieces: Pieces | None) -> Executor:
@@ -152,6 +163,7 @@ class DistributedRuntime:
         state = self._state(full_mesh, lambda: RankState(
             logical_groups(groups, lowered.mesh, made.coordinate, 0), axis, self.device))
         state.adopt(made.state, made.held, initial, pieces)
+        _not_compiled(lowered, "a pipeline's jobs")
         return PipelineExecutor(made, state.tensors, lowered.mesh, groups, group, self.device)
 
     def _state(self, mesh, make: Callable[[], RankState]) -> RankState:

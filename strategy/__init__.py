@@ -13,6 +13,7 @@ from .config import (
 from .sections import (
     AmpConfig,
     AutoConfig,
+    CompileConfig,
     DataParallelConfig,
     DebugConfig,
     ExpertParallelConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "DUMP_DIR_ENV",
     "AmpConfig",
     "AutoConfig",
+    "CompileConfig",
     "DataParallelConfig",
     "DebugConfig",
     "ExpertParallelConfig",

@@ -24,6 +24,7 @@ from .sections import (
     STRICT,
     AmpConfig,
     AutoConfig,
+    CompileConfig,
     DataParallelConfig,
     DebugConfig,
     ExpertParallelConfig,
@@ -94,6 +95,7 @@ class Strategy(BaseModel):
     recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
     gradient_merge: GradientMergeConfig = Field(default_factory=GradientMergeConfig)
     grad_clip: GradClipConfig = Field(default_factory=GradClipConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     seed: int = Field(default=0, strict=True, ge=0, lt=2**64)  # what torch.manual_seed takes
     # How long a rank waits in one collective or message before it fails (torch's default

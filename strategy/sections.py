@@ -323,6 +323,27 @@ class GradientMergeConfig(Section):
         return self.k_steps > 1
 
 
+class CompileConfig(Section):
+    """Compile every lowered program with ``torch.compile``: forward, backward and the
+    optimizer update of a step as one graph. ``backend``: ``inductor`` (fused kernels), or
+    ``aot_eager`` / ``eager`` to debug a compile problem. ``mode`` is ``torch.compile``'s.
+    ``fallback``: what a program the compiler refuses does: ``error`` (the default: an error
+    naming the op) or ``eager`` (a warning saying why, then it runs uncompiled).
+    ``cache_dir``: Inductor's on-disk cache (default: torch's), so a restarted run skips
+    the compile."""
+
+    SECTION: ClassVar[str] = "compile"
+    enable: StrictBool = False
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
+    fallback: Literal["error", "eager"] = "error"
+    cache_dir: Annotated[str, Field(strict=True, min_length=1)] | None = None
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable
+
+
 class GradClipConfig(Section):
     """Clip gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``.
 

@@ -1,0 +1,163 @@
+"""Compiled programs (``compile:``, runtime/compiled.py): a process's program through
+``torch.compile`` (Inductor), forward, backward and optimizer update as one graph.
+
+Parity is judged against what torch.compile itself does to the same model, measured in the
+same test: an eager training loop, and the same loop with its step under ``torch.compile``;
+compiled autopar must stay within twice torch.compile's own deviation from eager (losses and
+parameters; at least fp32's epsilon). So far a process's own program without collectives is
+compiled (serial plans, gradient merge's pair, evaluate and predict); the rest is refused
+by name, or with ``fallback: eager`` run uncompiled with a warning.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar as ap
+from autopar.models import MLP
+from autopar.models.gpt import lm_loss
+from autopar.runtime import CompileError, CompileNote
+
+from .parity import gpt_optimizer, lm_data, one_thread, parity_gpt  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+COMPILE = {"compile": {"enable": True}}
+EPS = torch.finfo(torch.float32).eps
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = MLP(16, 32, 8)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), None
+
+
+def _gpt():
+    model = parity_gpt("adamw", layers=1, dropout=0.1)
+    optimizer, scheduler = gpt_optimizer("adamw", model)
+    return model, optimizer, scheduler
+
+
+CASES = {"mlp": (_mlp, F.mse_loss, lambda: [(torch.randn(16), torch.randn(8))
+                                             for _ in range(32)]),
+         "gpt": (_gpt, lm_loss, lambda: lm_data(32, 16, 64))}
+
+
+def _eager(make, loss_fn, data, compiled: bool) -> tuple[list[float], torch.nn.Module]:
+    """The eager loop, its step under torch.compile when ``compiled`` (random ops drawn
+    as eager draws them, as autopar's compiled programs draw them)."""
+    model, optimizer, scheduler = make()
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    run = torch.compile(step, options={"fallback_random": True}) if compiled else step
+    losses = []
+    for i in range(0, len(data), 4):
+        x, y = (torch.stack(t) for t in zip(*data[i:i + 4]))
+        torch.manual_seed(i // 4)          # the engine's stream for batch i
+        losses.append(run(x, y).item())
+        if scheduler is not None:
+            scheduler.step()
+    return losses, model
+
+
+def _autopar(make, loss_fn, data, strategy: dict, **fit) -> tuple[ap.Engine, list[float]]:
+    model, optimizer, scheduler = make()
+    engine = ap.Engine(model, loss_fn, optimizer, strategy=ap.Strategy(**strategy),
+                       lr_scheduler=scheduler)
+    return engine, engine.fit(data, batch_size=4, verbose=0, **fit)["loss"]
+
+
+def _deviation(losses, model, want_losses, want_model) -> tuple[float, float]:
+    """(largest relative loss deviation, largest relative L2 deviation of a parameter)."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
+    params = max(((p - q).norm() / q.norm()).item()
+                 for p, q in zip(model.parameters(), want_model.parameters()))
+    return loss, params
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compiled_steps_deviate_from_eager_as_torch_compile_does(case, capsys):
+    """Eager, eager under torch.compile, and autopar compiled: autopar's deviation from
+    eager within twice torch.compile's (the GPT with dropout 0.1 under an LR warmup, whose
+    moving learning rate compiles the step at most twice)."""
+    make, loss_fn, make_data = CASES[case]
+    data = make_data()
+    want = _eager(make, loss_fn, data, compiled=False)
+    theirs = _deviation(*_eager(make, loss_fn, data, compiled=True), *want)
+    engine, losses = _autopar(make, loss_fn, data, COMPILE)
+    ours = _deviation(losses, engine.model, *want)
+    with capsys.disabled():
+        print(f"\n{case}: deviation from eager (loss, params): torch.compile {theirs[0]:.2e}, "
+              f"{theirs[1]:.2e}; compiled autopar {ours[0]:.2e}, {ours[1]:.2e}; compile "
+              f"{sum(engine.history['compile_s']):.1f} s")
+    for mine, torchs in zip(ours, theirs):
+        assert mine <= max(2 * torchs, EPS)
+    assert 1 <= len(engine.history["compile_s"]) <= 2
+
+
+def test_gradient_merge_evaluate_and_predict_run_compiled():
+    """Gradient merge's pair of programs, evaluate and predict: each compiled once, and
+    equal to the same run uncompiled within the bound above."""
+    make, loss_fn, make_data = CASES["mlp"]
+    data = make_data()
+    merge = {"gradient_merge": {"k_steps": 2}}
+    plain, want = _autopar(make, loss_fn, data, merge)
+    engine, got = _autopar(make, loss_fn, data, {**merge, **COMPILE})
+    assert len(engine.history["compile_s"]) == 2          # accumulate, apply
+    theirs = _deviation(*_eager(make, loss_fn, data, True), *_eager(make, loss_fn, data, False))
+    ours = _deviation(got, engine.model, want, plain.model)
+    for mine, torchs in zip(ours, theirs):
+        assert mine <= max(2 * torchs, EPS)
+    for mode in ("evaluate", "predict"):
+        done = len(engine.history["compile_s"])
+        assert getattr(engine, mode)(data[:8], batch_size=4)
+        assert len(engine.history["compile_s"]) == done + 1
+
+
+@pytest.mark.parametrize("config", ["dp", "pp_1f1b"])
+def test_plans_not_compiled_yet_are_refused_or_run_uncompiled_with_a_warning(config):
+    sections = ap.Strategy.from_yaml(f"configs/{config}.yaml").model_dump(
+        exclude={"debug"}, exclude_unset=True)
+    make, loss_fn, make_data = CASES["gpt"]
+    simulated = {**sections, "debug": {"simulate": True}}
+    with pytest.raises(CompileError, match="is not compiled: only a process's own program"):
+        _autopar(make, loss_fn, make_data()[:8], {**simulated, **COMPILE})
+    eager = {"compile": {"enable": True, "fallback": "eager"}}
+    with pytest.warns(CompileNote, match="it runs uncompiled"):
+        _, got = _autopar(make, loss_fn, make_data()[:8], {**simulated, **eager})
+    assert got == _autopar(make, loss_fn, make_data()[:8], simulated)[1]
+
+
+def test_a_program_the_compiler_refuses_names_the_op():
+    """Recompute of a block with dropout saves and restores the generator's state, which
+    Dynamo cannot trace: the error names that op; ``fallback: eager`` warns and trains
+    uncompiled, like the plan without compile."""
+    make, loss_fn, make_data = CASES["gpt"]
+    data = make_data()[:8]
+    recompute = {"recompute": {"enable": True}}
+    with pytest.raises(CompileError, match=r"failed at op autopar\.get_rng_state .*"
+                                           r"Unsupported.*fallback: eager"):
+        _autopar(make, loss_fn, data, {**recompute, **COMPILE})
+    eager = {"compile": {"enable": True, "fallback": "eager"}}
+    with pytest.warns(CompileNote, match=r"get_rng_state .*it runs uncompiled"):
+        _, got = _autopar(make, loss_fn, data, {**recompute, **eager})
+    assert got == _autopar(make, loss_fn, data, recompute)[1]
+
+
+def test_compiled_graphs_go_to_the_cache_dir(tmp_path, monkeypatch):
+    """Inductor keeps what it compiled in ``compile.cache_dir`` (a restarted run reads it
+    back instead of compiling again), not where the environment said before."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    make, loss_fn, make_data = CASES["mlp"]
+    cache = tmp_path / "inductor"
+    _autopar(make, loss_fn, make_data()[:8],
+             {"compile": {"enable": True, "cache_dir": str(cache)}})
+    assert any(p.is_file() for p in cache.rglob("*"))
+    assert not (tmp_path / "elsewhere").exists()
