@@ -208,13 +208,6 @@ class Lowered:
         every batch, or with gradient merge the last of each cycle of ``k_steps``."""
         return (batch + 1) % self.k_steps == 0
 
-    def program_for(self, batch: int) -> "Lowered":
-        """What the run's ``batch``-th training batch runs (the runtime steps through a
-        gradient-merge cycle with it)."""
-        if self.accumulating is None or self.steps_optimizer(batch):
-            return self
-        return self.accumulating
-
     def unfinished(self, batches: int) -> int:
         """Batches of a gradient-merge cycle trained after ``batches`` without their update."""
         return batches % self.k_steps

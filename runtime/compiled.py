@@ -59,7 +59,9 @@ class CompiledStep:
         start = time.perf_counter()
         try:
             out = self.fn(feeds, state)
-        except Exception as err:          # noqa: BLE001 (every compile failure is handled)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            # tracing or compiling failed, before the step ran (errors of the step itself
+            # pass through as they would uncompiled)
             return self._refused(err, feeds, state)
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != frames:
             self.compile_s += time.perf_counter() - start   # this call compiled a graph
