@@ -268,17 +268,23 @@ def test_gradient_merge_sums_scaled_gradients_and_checks_the_sum():
         assert torch.equal(model.state_dict()[name], value), name
 
 
-def _gpt_against_grad_scaler(strategy: ap.Strategy, scaler: torch.amp.GradScaler
-                             ) -> tuple[dict, dict, ap.Engine, torch.nn.Module]:
-    """The GPT trained by the engine under ``strategy`` (an fp32 step, scaled) next to its
-    eager twin under ``scaler``: both histories (loss, loss_scale, skipped), the engine and
-    the twin."""
+def _trained_gpt(strategy: ap.Strategy) -> tuple[dict, torch.nn.Module, torch.nn.Module, list]:
+    """The GPT trained by the engine under ``strategy`` with SGD + momentum: its history,
+    the model, its untrained twin and the data."""
     model = parity_gpt("sgd")
     ref = twin(model)
     data = lm_data(STEPS * 4, 16, 64)
     engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1,
                                                         momentum=0.9), strategy=strategy)
-    history = engine.fit(data, batch_size=4, verbose=0)
+    return engine.fit(data, batch_size=4, verbose=0), model, ref, data
+
+
+def _gpt_against_grad_scaler(strategy: ap.Strategy, scaler: torch.amp.GradScaler
+                             ) -> tuple[dict, dict, torch.nn.Module, torch.nn.Module]:
+    """The GPT trained by the engine under ``strategy`` (an fp32 step, scaled) next to its
+    eager twin under ``scaler``: both histories (loss, loss_scale, skipped), the model and
+    the twin."""
+    history, model, ref, data = _trained_gpt(strategy)
     optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     eager = {"loss": [], "loss_scale": [], "skipped": []}
     for x, y in DataLoader(data, batch_size=4):
@@ -338,12 +344,7 @@ def test_config_dp_fp16_equals_two_eager_ranks_with_grad_scaler():
     strategy = strategy.model_copy(update={
         "debug": ap.Strategy(debug={"simulate": True}).debug,
         "amp": strategy.amp.model_copy(update={"init_scale": 2.0 ** 14, "growth_interval": 2})})
-    model = parity_gpt("sgd")
-    ref = twin(model)
-    data = lm_data(STEPS * 4, 16, 64)
-    engine = ap.Engine(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                        momentum=0.9), strategy=strategy)
-    history = engine.fit(data, batch_size=4, verbose=0)
+    history, model, ref, data = _trained_gpt(strategy)
     eager = _dp2_eager_fp16(ref, data, torch.amp.GradScaler("cpu", init_scale=2.0 ** 14,
                                                             growth_interval=2), max_norm=1.0)
     scales = eager["loss_scale"]
