@@ -7,6 +7,7 @@ activations are freed as soon as the backward no longer needs them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -16,11 +17,21 @@ from ..ir.attrs import MULTI, NAME
 from ..ir.ops import op_info, resolve
 
 
+@dataclass(frozen=True)
+class Outside:
+    """A comm op that runs outside the generated function (a pipeline job's message, around
+    its compiled body): a receive becomes the feed ``key``; a send's value becomes an extra
+    result after the program's own, in program order."""
+
+    key: str
+
+
 class _Emitter:
     def __init__(self, traceable: bool = False) -> None:
         self.globals: dict[str, Any] = {}
         self.kernel_names: dict[str, str] = {}
         self.traceable = traceable
+        self.sent: list[str] = []         # values of sends run outside, in program order
 
     def kernel(self, target: str, batched: bool = False) -> str:
         key = target + ("[batched]" if batched else "")
@@ -52,15 +63,19 @@ class _Emitter:
         return self.constant(a)
 
 
-def _last_uses(program: Program) -> dict[int, list[Value]]:
-    """Index of the op after which each value dies (results never die inside)."""
+def _last_uses(program: Program) -> dict[Value, int]:
+    """Index of the op that last reads each value (or makes it, when nothing reads it)."""
     last: dict[Value, int] = {}
     for i, op in enumerate(program.ops):
         for v in op.outputs:
             last[v] = i
         for v in op.inputs:
             last[v] = i
-    kept = set(program.output_op.inputs)
+    return last
+
+
+def _dying(last: dict[Value, int], kept: set[Value]) -> dict[int, list[Value]]:
+    """Values by the index of the op after which they die (``kept`` never die inside)."""
     dying: dict[int, list[Value]] = {}
     for v, i in last.items():
         if v not in kept:
@@ -75,6 +90,8 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
         if comm is None or op not in comm:
             raise ValueError(f"codegen: {op.target} ({op.module or 'top level'}) has no bound "
                              "collective; a rank program needs its process groups")
+        if isinstance(comm[op], Outside):
+            return _emit_outside(op, comm[op], em, names)
         if op.attrs.get(MULTI):
             lhs += ","
         call = f"{em.constant(comm[op])}({', '.join(names[v] for v in op.args)})"
@@ -84,7 +101,7 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
     if op.kind is OpKind.STATE:
         return f"{lhs} = state[{op.attrs[NAME]!r}]"
     if op.kind is OpKind.OUTPUT:
-        return "return (" + "".join(names[v] + ", " for v in op.args) + ")"
+        return "return (" + "".join(n + ", " for n in [names[v] for v in op.args] + em.sent) + ")"
     args = [em.literal(a, names) for a in op.args]
     args += [f"{k}={em.literal(v, names)}" for k, v in op.kwargs.items()]
     call = f"{em.kernel(op.target)}({', '.join(args)})"
@@ -93,6 +110,13 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
     if op.attrs.get(MULTI) and len(op.outputs) == 1:
         lhs += ","
     return f"{lhs} = {call}"
+
+
+def _emit_outside(op: Op, outside: Outside, em: _Emitter, names: dict[Value, str]) -> str:
+    if op.outputs:                                    # a receive: its value is fed
+        return f"{names[op.outputs[0]]} = feeds[{outside.key!r}]"
+    em.sent.append(names[op.args[0]])                 # a send: returned at the end
+    return "pass"
 
 
 def _batch_run(ops: list[Op], start: int) -> int:
@@ -138,23 +162,63 @@ def generate(program: Program, name: str = "step",
     """Compile ``program`` to ``fn(feeds: dict, state: dict) -> tuple`` of its results.
     ``comm`` binds each COMM op to the collective that runs it on this rank; ``traceable``:
     calls that ``torch.compile`` can trace (each op's ``OpOverload``)."""
+    fns, source = generate_segments(program, [0], name, comm, traceable)
+    return fns[0], source
+
+
+def generate_segments(program: Program, starts: list[int], name: str = "step",
+                      comm: dict[Op, Callable | Outside] | None = None,
+                      traceable: bool = False) -> tuple[list[Callable], str]:
+    """``program`` cut before each op index in ``starts`` (the first 0): one function per
+    segment, ``fn(feeds, state, carried)`` for every segment but a lone one. A segment that
+    is not the last returns ``(carried, *sent)``: ``carried`` the values later segments
+    read, by name; the last returns the program's results, then its sends run
+    ``Outside``. Values keep their names (``v<i>``) across segments."""
     em = _Emitter(traceable)
     names = {v: f"v{i}" for i, v in enumerate(v for op in program.ops for v in op.outputs)}
-    dying = _last_uses(program)
-    lines = [f"def {name}(feeds, state):"]
-    ops, i = program.ops, 0
-    while i < len(ops):
-        end = _batch_run(ops, i)
-        line = (_emit_batched(ops[i:end], em, names) if end - i > 1
-                else _emit_op(ops[i], em, names, comm))
-        lines.append("    " + line)
-        dead = [names[v] for j in range(i, end) if ops[j].kind is not OpKind.OUTPUT
-                for v in dying.get(j, ())]
-        if dead:
-            lines.append("    del " + ", ".join(dead))
-        i = end
+    last = _last_uses(program)
+    sent = {v for op, bound in (comm or {}).items() if isinstance(bound, Outside)
+            for v in op.args}
+    dying = _dying(last, set(program.output_op.inputs) | sent)
+    ends = list(starts[1:]) + [len(program.ops)]
+    lines, made = [], set()
+    for s, (begin, end) in enumerate(zip(starts, ends)):
+        local = {v for op in program.ops[begin:end] for v in (*op.inputs, *op.outputs)}
+        lines += _segment(program.ops, begin, end, f"{name}_{s}" if len(starts) > 1 else name,
+                          len(starts) > 1, em, names, comm, dying, made)
+        made |= {v for op in program.ops[begin:end] for v in op.outputs}
+        if end < len(program.ops):
+            carried = sorted((v for v in made if last[v] >= end), key=lambda v: int(names[v][1:]))
+            lines.append("    return ({" + ", ".join(
+                f"{names[v]!r}: " + (names[v] if v in local else f"carried[{names[v]!r}]")
+                for v in carried) + "}, " + "".join(n + ", " for n in em.sent) + ")")
+        em.sent = []
     source = "\n".join(lines) + "\n"
     code = compile(source, f"<autopar {name}>", "exec")
     namespace = dict(em.globals, torch=torch)
     exec(code, namespace)
-    return namespace[name], source
+    fns = [namespace[f"{name}_{s}" if len(starts) > 1 else name] for s in range(len(starts))]
+    return fns, source
+
+
+def _segment(ops: list[Op], begin: int, end: int, fname: str, carries: bool, em: _Emitter,
+             names: dict[Value, str], comm, dying: dict[int, list[Value]],
+             made: set[Value]) -> list[str]:
+    """The lines of one segment's function: values of earlier segments read from
+    ``carried``, then its ops, each value deleted after its last use."""
+    lines = [f"def {fname}(feeds, state{', carried' if carries else ''}):"]
+    read = sorted({v for op in ops[begin:end] for v in op.inputs if v in made},
+                  key=lambda v: int(names[v][1:]))
+    lines += [f"    {names[v]} = carried[{names[v]!r}]" for v in read]
+    i = begin
+    while i < end:
+        stop = min(_batch_run(ops, i), end)
+        line = (_emit_batched(ops[i:stop], em, names) if stop - i > 1
+                else _emit_op(ops[i], em, names, comm))
+        lines.append("    " + line)
+        dead = [names[v] for j in range(i, stop) if ops[j].kind is not OpKind.OUTPUT
+                for v in dying.get(j, ())]
+        if dead:
+            lines.append("    del " + ", ".join(dead))
+        i = stop
+    return lines

@@ -1,5 +1,12 @@
 """Reshard steps as c10d collectives, with exactly the semantics of ``reshard.simulate``.
 
+Every collective is a functional one (``torch.ops._c10d_functional``): it returns a new
+tensor that is ready after ``wait_tensor``. Uncompiled, the op starts the collective and the
+wait ends it; under ``torch.compile`` (``runtime/compiled.py``) both are nodes of the graph,
+so the compiler sees each collective, and an asynchronous start our passes placed early
+(a bucket's all-reduce, a ZeRO-3 prefetch, an early reduce-scatter) stays before the compute
+it overlaps and its wait after.
+
 Each comm op of a rank's program is bound once, when its executor is made, to a small
 callable ``piece -> new piece``: the comm spec lowering made (the step and every group
 member's piece shape, known statically from the global shape and placements) and this
@@ -20,7 +27,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..ir.dist import (
     Partial,
@@ -48,8 +54,7 @@ __all__ = ["bind", "bind_step", "wait_bucket", "wait_unit", "Collective"]
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
 
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
-              "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+FUNCTIONAL = torch.ops._c10d_functional
 
 
 def bind(comm: StepComm | BucketStart | BucketWait | GatherStart | GatherWait | ScatterStart
@@ -74,20 +79,18 @@ def _bucket_start(comm: BucketStart, groups: MeshGroups) -> Callable:
     mesh_dim, reduce = comm.steps[0].mesh_dim, comm.steps[0].op
     shapes = comm.shapes
     sizes = [int(torch.Size(s).numel()) for s in shapes]
-    group, rop = groups[mesh_dim].group, _reduce_op(reduce)
+    name, rop = groups[mesh_dim].group.group_name, _reduce_op(reduce)
     into, out_of = _norm_io(reduce)
 
     def all_reduce_start(*grads: torch.Tensor):
         flat = into(torch.cat([g.reshape(-1) for g in grads]))
-        work = dist.all_reduce(flat, op=rop, group=group, async_op=True)
-        return work, flat, sizes, shapes, out_of
+        return FUNCTIONAL.all_reduce(flat, rop, name), sizes, shapes, out_of
     return all_reduce_start
 
 
 def wait_bucket(handle) -> tuple[torch.Tensor, ...]:
-    work, flat, sizes, shapes, out_of = handle
-    work.wait()
-    flat = out_of(flat)
+    pending, sizes, shapes, out_of = handle
+    flat = out_of(FUNCTIONAL.wait_tensor(pending))
     return tuple(piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes))
 
 
@@ -96,8 +99,8 @@ def _gather_start(comm: GatherStart, groups: MeshGroups) -> Callable:
     end to end, padded to the largest member's total (uneven torch.chunk pieces; gloo wants
     equal sizes); ``wait_unit`` ends it and lays each tensor's pieces back together."""
     axis, numels, width = _unit_layout(comm, groups)
-    n, group, order = axis.size, axis.group, axis.order
-    mine = [sizes[axis.index] for sizes in numels]
+    n, name, order = axis.size, axis.group.group_name, axis.order
+    mine = sum(sizes[axis.index] for sizes in numels)
 
     def unpack(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         blocks = {j: out[g * width:(g + 1) * width] for g, j in enumerate(order)}
@@ -111,11 +114,9 @@ def _gather_start(comm: GatherStart, groups: MeshGroups) -> Callable:
         return tuple(results)
 
     def all_gather_start(*pieces: torch.Tensor):
-        flat = pieces[0].new_zeros(width)
-        torch.cat([p.reshape(-1) for p in pieces], out=flat[:sum(mine)])
-        out = flat.new_empty(width * n)
-        work = dist.all_gather_single(out, flat, group=group, async_op=True)
-        return work, out, unpack
+        flat = torch.cat([p.reshape(-1) for p in pieces]
+                         + ([pieces[0].new_zeros(width - mine)] if width > mine else []))
+        return FUNCTIONAL.all_gather_into_tensor(flat, n, name), unpack
     return all_gather_start
 
 
@@ -135,7 +136,7 @@ def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
     flat reduce-scatter); ``wait_unit`` ends it and cuts this process's block into its
     pieces."""
     axis, numels, width = _unit_layout(comm, groups)
-    n, group, order = axis.size, axis.group, axis.order
+    n, name, order = axis.size, axis.group.group_name, axis.order
     op = _reduce_op(comm.steps[0].op)
 
     def unpack(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -149,30 +150,23 @@ def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
             offset += sizes[axis.index]
         return tuple(results)
 
-    def fill(block: torch.Tensor, grads: tuple[torch.Tensor, ...], j: int) -> None:
-        """Member j's chunks of every gradient, end to end (one copy), zeros after."""
-        offset = 0
-        for g, s in zip(grads, comm.steps):
-            part = chunk_grouped(g.movedim(s.tensor_dim, 0), 0, n, j, s.groups)
-            block[offset:offset + part.numel()].view(part.shape).copy_(part)
-            offset += part.numel()
-        block[offset:].zero_()
+    def block(grads: tuple[torch.Tensor, ...], j: int) -> list[torch.Tensor]:
+        """Member j's chunks of every gradient, end to end, zeros after."""
+        parts = [chunk_grouped(g.movedim(s.tensor_dim, 0), 0, n, j, s.groups).reshape(-1)
+                 for g, s in zip(grads, comm.steps)]
+        pad = width - sum(numel[j] for numel in numels)
+        return parts + ([grads[0].new_zeros(pad)] if pad else [])
 
     def reduce_scatter_start(*grads: torch.Tensor):
-        flat = grads[0].new_empty(width * n)
-        for g, j in enumerate(order):
-            fill(flat[g * width:(g + 1) * width], grads, j)
-        out = flat.new_empty(width)
-        work = dist.reduce_scatter_single(out, flat, op=op, group=group, async_op=True)
-        return work, out, unpack
+        flat = torch.cat([part for j in order for part in block(grads, j)])   # one copy
+        return FUNCTIONAL.reduce_scatter_tensor(flat, op, n, name), unpack
     return reduce_scatter_start
 
 
 def wait_unit(handle) -> tuple[torch.Tensor, ...]:
     """The end of a unit's gather or reduce-scatter: its tensors, unpacked from the buffer."""
-    work, out, unpack = handle
-    work.wait()
-    return unpack(out)
+    pending, unpack = handle
+    return unpack(FUNCTIONAL.wait_tensor(pending))
 
 
 def bind_step(comm: StepComm, groups: MeshGroups) -> Collective:
@@ -184,21 +178,20 @@ def bind_step(comm: StepComm, groups: MeshGroups) -> Collective:
 
 
 def _all_reduce(step: AllReduce, axis: MeshAxisGroup, shapes) -> Collective:
-    op, group = _reduce_op(step.op), axis.group
+    op, name = _reduce_op(step.op), axis.group.group_name
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
-        y = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(y, op=op, group=group)
-        return y
+        return FUNCTIONAL.wait_tensor(FUNCTIONAL.all_reduce(x, op, name))
     return _as_norm(all_reduce, step.op)
 
 
-def _reduce_op(op: str) -> dist.ReduceOp:
-    """The c10d op that combines the terms: a norm's powered terms add (norminf: max)."""
+def _reduce_op(op: str) -> str:
+    """The functional collective's op that combines the terms: sum, avg, max, min; a norm's
+    powered terms add (norminf: max)."""
     order = norm_order(op)
     if order is None:
-        return REDUCE_OPS[op]
-    return dist.ReduceOp.MAX if order == float("inf") else dist.ReduceOp.SUM
+        return op
+    return "max" if order == float("inf") else "sum"
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
@@ -248,7 +241,7 @@ def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collect
     t, n, i = step.tensor_dim, axis.size, axis.index
     parts = _chunks(shapes[i][t], n)
     width = parts[0][1]
-    op, group, order = _reduce_op(step.op), axis.group, axis.order
+    op, name, order = _reduce_op(step.op), axis.group.group_name, axis.order
     identity = order == tuple(range(n)) and all(length == width for _, length in parts)
 
     def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
@@ -257,8 +250,7 @@ def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collect
             flat = xt.contiguous()
         else:
             flat = _stack_blocks([xt.narrow(0, *parts[j]) for j in order], width)
-        out = flat.new_empty((width,) + tuple(flat.shape[1:]))
-        dist.reduce_scatter_single(out, flat, op=op, group=group)
+        out = FUNCTIONAL.wait_tensor(FUNCTIONAL.reduce_scatter_tensor(flat, op, n, name))
         return out[:parts[i][1]].movedim(0, t).contiguous()
     return _as_norm(reduce_scatter, step.op)
 
@@ -268,13 +260,12 @@ def _reduce_scatter_grouped(step: ReduceScatter, axis: MeshAxisGroup, shapes) ->
     widths = group_widths(g, shapes[i][t])
     width = sum(local_size(w, n, 0) for w in widths)      # the largest member's piece
     mine = sum(local_size(w, n, i) for w in widths)
-    op, group, order = _reduce_op(step.op), axis.group, axis.order
+    op, name, order = _reduce_op(step.op), axis.group.group_name, axis.order
 
     def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
         xt = x.movedim(t, 0)
         flat = _stack_blocks([chunk_grouped(xt, 0, n, j, g) for j in order], width)
-        out = flat.new_empty((width,) + tuple(flat.shape[1:]))
-        dist.reduce_scatter_single(out, flat, op=op, group=group)
+        out = FUNCTIONAL.wait_tensor(FUNCTIONAL.reduce_scatter_tensor(flat, op, n, name))
         return out[:mine].movedim(0, t).contiguous()
     return _as_norm(reduce_scatter, step.op)
 
@@ -283,15 +274,14 @@ def _all_gather(step: AllGather, axis: MeshAxisGroup, shapes) -> Collective:
     t, n = step.tensor_dim, axis.size
     sizes = [s[t] for s in shapes]
     width = max(sizes)
-    group, order = axis.group, axis.order
+    name, order = axis.group.group_name, axis.order
     groups = step.groups
     identity = order == tuple(range(n)) and all(s == width for s in sizes) and groups == 1
 
     def all_gather(x: torch.Tensor) -> torch.Tensor:
         xt = x.movedim(t, 0)
         mine = _stack_blocks([xt], width)
-        out = mine.new_empty((width * n,) + tuple(mine.shape[1:]))
-        dist.all_gather_single(out, mine, group=group)
+        out = FUNCTIONAL.wait_tensor(FUNCTIONAL.all_gather_into_tensor(mine, n, name))
         if not identity:
             by_index = {j: out[g * width:g * width + sizes[j]] for g, j in enumerate(order)}
             out = cat_grouped([by_index[j] for j in range(n)], 0, groups)
@@ -314,7 +304,7 @@ def _slice(step: Slice, axis: MeshAxisGroup, shapes) -> Collective:
 def _all_to_all(step: AllToAll, axis: MeshAxisGroup, shapes) -> Collective:
     f, t, n, i = step.from_dim, step.to_dim, axis.size, axis.index
     parts = _chunks(shapes[i][t], n)          # how the to-dim is cut, same on every member
-    group, order = axis.group, axis.order
+    name, order = axis.group.group_name, axis.order
     # what member j sends me: its piece, cut to my chunk of the to-dim
     incoming = [tuple(parts[i][1] if d == t else s for d, s in enumerate(shapes[j]))
                 for j in range(n)]
@@ -324,9 +314,8 @@ def _all_to_all(step: AllToAll, axis: MeshAxisGroup, shapes) -> Collective:
         blocks = [x.narrow(t, *parts[j]).reshape(-1) for j in order]
         out_splits = [b.numel() for b in blocks]
         send = torch.cat(blocks)
-        recv = send.new_empty(sum(in_splits))
-        dist.all_to_all_single(recv, send, output_split_sizes=in_splits,
-                               input_split_sizes=out_splits, group=group)
+        recv = FUNCTIONAL.wait_tensor(
+            FUNCTIONAL.all_to_all_single(send, in_splits, out_splits, name))
         pieces = {j: r.view(incoming[j]) for j, r in zip(order, recv.split(in_splits))}
         return torch.cat([pieces[j] for j in range(n)], dim=f)
     return all_to_all

@@ -54,20 +54,21 @@ class CompiledStep:
                                 options=options, fullgraph=True)
         self._seen = 0
 
-    def __call__(self, feeds: dict[str, Any], state: dict[str, Any]) -> tuple:
+    def __call__(self, feeds: dict[str, Any], state: dict[str, Any], *carried: Any) -> tuple:
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         try:
-            out = self.fn(feeds, state)
+            out = self.fn(feeds, state, *carried)
         except torch._dynamo.exc.TorchDynamoException as err:
             # tracing or compiling failed, before the step ran (errors of the step itself
             # pass through as they would uncompiled)
-            return self._refused(err, feeds, state)
+            return self._refused(err, feeds, state, *carried)
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != frames:
             self.compile_s += time.perf_counter() - start   # this call compiled a graph
         return out
 
-    def _refused(self, err: Exception, feeds: dict[str, Any], state: dict[str, Any]) -> tuple:
+    def _refused(self, err: Exception, feeds: dict[str, Any], state: dict[str, Any],
+                 *carried: Any) -> tuple:
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         op = _failing_op(err, self.source, self.program)
         what = (f"op {op.target} ({op.module or 'top level'}, role {op.role.value})"
@@ -81,7 +82,7 @@ class CompiledStep:
         warnings.warn(text + "; it runs uncompiled (compile: {fallback: eager})", CompileNote,
                       stacklevel=3)
         self.fn = self.eager
-        return self.eager(feeds, state)
+        return self.eager(feeds, state, *carried)
 
 
 def not_compiled(spec: CompileSpec, where: str, why: str) -> None:

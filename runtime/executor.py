@@ -18,7 +18,7 @@ from ..ir import Slot
 from ..lower.executable import CompileSpec, RankProgram
 from .codegen import generate
 from .collectives import bind
-from .compiled import CompiledStep, not_compiled
+from .compiled import CompiledStep
 from .job_store import cut_feeds
 from .process_groups import MeshGroups
 from .rank_state import cut_piece
@@ -40,6 +40,8 @@ class PipelinedExecutor(Executor, Protocol):
 
 def compile_seconds(executor: Any) -> float:
     """Seconds ``executor`` spent compiling so far (0 when it does not compile)."""
+    if hasattr(executor, "compile_s"):
+        return executor.compile_s
     parts = [getattr(executor, name, None) for name in ("accumulate", "apply")]
     if any(parts):
         return sum(compile_seconds(part) for part in parts)
@@ -68,10 +70,6 @@ class ProgramExecutor:
                              "process groups")
         ops = rank.program.ops
         comm = {ops[i]: bind(spec, groups) for i, spec in rank.comms.items()}
-        if compile is not None and rank.comms:
-            not_compiled(compile, f"process {rank.process}'s program",
-                         "its collectives do not run in a compiled graph yet")
-            compile = None
         self.fn, self.source = generate(rank.program, comm=comm, traceable=compile is not None)
         if compile is not None:
             self.fn = CompiledStep(self.fn, self.source, rank.program, compile,

@@ -18,11 +18,12 @@ import torch.distributed as dist
 
 from ..ir import Slot
 from ..ir.attrs import SLOTS
-from ..lower.executable import JobProgram, PipelineProcess, Recv, Send
+from ..lower.executable import CompileSpec, JobProgram, PipelineProcess, Recv, Send
 from ..pipeline.jobs import JobId
 from ..pipeline.phases import Phase
-from .codegen import generate
+from .codegen import Outside, generate, generate_segments
 from .collectives import bind
+from .compiled import CompiledStep
 from .job_store import RankStore, cut_feeds
 from .p2p import P2PTransport
 from .process_groups import MeshAxisGroup, MeshGroups
@@ -46,7 +47,8 @@ class PipelineExecutor:
     step's (job, start, end) wall times and ``peak_activation_bytes`` its high-water mark."""
 
     def __init__(self, process: PipelineProcess, state: dict[str, Any], logical_mesh,
-                 groups: MeshGroups | None, p2p_group=None, device=None):
+                 groups: MeshGroups | None, p2p_group=None, device=None,
+                 compile: CompileSpec | None = None):
         self.process, self.state = process, state
         self.micro_batches = len(process.micro_batch_inputs)
         self.transport = None
@@ -60,8 +62,11 @@ class PipelineExecutor:
             made = process.programs[job]
             job_groups = None if groups is None else logical_groups(
                 groups, logical_mesh, process.coordinate, max(job.micro_batch, 0))
-            self.fns[job], _ = generate(made.program, name=f"job{i}",
-                                        comm=self._bind(made, job_groups))
+            comm = self._bind(made, job_groups)
+            self.fns[job] = (_compiled_job(made, comm, compile, f"process {process.process}'s "
+                                           f"job {job} (job{i})", f"job{i}")
+                             if compile is not None else
+                             generate(made.program, name=f"job{i}", comm=comm)[0])
             self.slots[job] = made.program.output_op.attrs[SLOTS]
         # wall-clock seconds of a perf_counter reading, so processes' events line up
         self.clock = time.time() - time.perf_counter()
@@ -83,6 +88,11 @@ class PipelineExecutor:
             else:
                 comm[op] = bind(spec, groups)
         return comm
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds this process's jobs spent compiling so far."""
+        return sum(getattr(fn, "compile_s", 0.0) for fn in self.fns.values())
 
     def keep_trace(self) -> None:
         """Keep every step's job times (not only the last step's) for ``trace_events``."""
@@ -153,6 +163,63 @@ class PipelineExecutor:
         if self.trace is not None:
             self.trace += events
         return results
+
+
+class _MessagesAround:
+    """A job compiled without its messages, in segments: each segment's receives are waited
+    for before its compiled body runs and fed to it, its sends posted after it. A segment
+    ends where the job receives after it has sent (a post job exchanging a tied weight's
+    gradient or a norm), so every receive still comes after the sends before it, and each
+    is a message an earlier job of the peer sent (``runtime.p2p``)."""
+
+    def __init__(self, bodies: list[CompiledStep], receives: list[list[tuple[str, Callable]]],
+                 sends: list[list[Callable]], results: int):
+        self.bodies, self.receives, self.sends, self.results = bodies, receives, sends, results
+
+    @property
+    def compile_s(self) -> float:
+        return sum(body.compile_s for body in self.bodies)
+
+    def __call__(self, feeds: dict[str, Any], state: dict[str, Any]) -> tuple:
+        carried: tuple = () if len(self.bodies) == 1 else ({},)
+        for body, receives, sends in zip(self.bodies, self.receives, self.sends):
+            fed = dict(feeds, **{key: receive() for key, receive in receives})
+            values = body(fed, state, *carried)
+            if body is self.bodies[-1]:
+                values, sent = values[:self.results], values[self.results:]
+            else:
+                carried, sent = values[:1], values[1:]
+            for send, value in zip(sends, sent):
+                send(value)
+        return values
+
+
+def _compiled_job(job: JobProgram, comm: dict, spec: CompileSpec, where: str, name: str
+                  ) -> Callable:
+    """The job's program through ``torch.compile`` without its messages
+    (``_MessagesAround``): a new segment starts at each receive that follows a send."""
+    ops = job.program.ops
+    outside = dict(comm)
+    starts, receives, sends = [0], [[]], [[]]
+    for i, message in sorted(job.comms.items()):
+        if not isinstance(message, (Send, Recv)):
+            continue
+        key = f"message/{i}"
+        outside[ops[i]] = Outside(key)
+        if isinstance(message, Recv):
+            if sends[-1]:
+                starts.append(i)
+                receives.append([])
+                sends.append([])
+            receives[-1].append((key, comm[ops[i]]))
+        else:
+            sends[-1].append(comm[ops[i]])
+    fns, source = generate_segments(job.program, starts, name=name, comm=outside,
+                                    traceable=True)
+    bodies = [CompiledStep(fn, source, job.program, spec,
+                           where + (f", segment {k}" if len(fns) > 1 else ""))
+              for k, fn in enumerate(fns)]
+    return _MessagesAround(bodies, receives, sends, len(job.program.output_op.args))
 
 
 def _sender(transport: P2PTransport, message) -> Callable:

@@ -48,10 +48,10 @@ def _executor(make: Callable[..., Executor], lowered: Lowered, initial: Initial,
 
 
 def _not_compiled(lowered: Lowered, what: str) -> None:
-    """Plans this version runs uncompiled under ``compile:`` (said, or refused)."""
+    """Plans that run uncompiled under ``compile:`` (said, or refused)."""
     if lowered.compile is not None:
-        not_compiled(lowered.compile, what, "only a process's own program without "
-                     "collectives is compiled so far")
+        not_compiled(lowered.compile, what, "compiled programs run on real processes (one "
+                     "per rank, under torchrun); simulated ranks run uncompiled")
 
 
 def _processes(lowered: Lowered) -> int:
@@ -78,13 +78,12 @@ class LocalRuntime:
         for name, piece in next(iter(lowered.processes.values())).state.items():
             if name not in self.state and piece.const is None:
                 self.state[name] = initial(piece)
-        if lowered.pipeline is not None or processes > 1:
-            _not_compiled(lowered, "a pipeline's jobs" if lowered.pipeline is not None
-                          else "a simulated plan (every rank in this process)")
+        if processes > 1:
+            _not_compiled(lowered, "a simulated plan (every rank in this process)")
         if lowered.pipeline is not None:
             if processes == 1 and not self.simulate:
                 return PipelineExecutor(lowered.process(0), self.state,
-                                        lowered.mesh, groups=None)
+                                        lowered.mesh, groups=None, compile=lowered.compile)
             return PipelineSimulator(lowered, self.state)
         if processes > 1:
             return SimulatedExecutor(lowered, self.state)
@@ -163,8 +162,8 @@ class DistributedRuntime:
         state = self._state(full_mesh, lambda: RankState(
             logical_groups(groups, lowered.mesh, made.coordinate, 0), axis, self.device))
         state.adopt(made.state, made.held, initial, pieces)
-        _not_compiled(lowered, "a pipeline's jobs")
-        return PipelineExecutor(made, state.tensors, lowered.mesh, groups, group, self.device)
+        return PipelineExecutor(made, state.tensors, lowered.mesh, groups, group, self.device,
+                                compile=lowered.compile)
 
     def _state(self, mesh, make: Callable[[], RankState]) -> RankState:
         """This process's state (made with the first plan; every later plan of the engine

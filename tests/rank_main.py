@@ -482,7 +482,31 @@ def export_full(config: str, path: str, steps: str, meta: str) -> dict:
             "still_meta": all(p.is_meta for p in model.parameters())}
 
 
-SCENARIOS = {"train_scaled": train_scaled,
+def train_compiled(steps: str, batch: str, compiled: str, *runs: str) -> dict:
+    """For each ``config:dropout[:amp level]`` of ``runs`` in turn, the one-layer AdamW GPT
+    of ``parity_gpt`` trained on ``configs/<config>.yaml``, its programs compiled
+    (``compiled == "1"``) or not (``tests/test_compile.py``)."""
+    from autopar.models.gpt import lm_loss
+    results = {}
+    for run in runs:
+        config, dropout, *level = run.split(":")
+        model = parity_gpt("adamw", dropout=float(dropout), layers=1)
+        optimizer, scheduler = gpt_optimizer("adamw", model)
+        strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml")
+        update = {"compile": ap.Strategy(compile={"enable": compiled == "1"}).compile}
+        if level:
+            update["amp"] = strategy.amp.model_copy(update={"level": level[0]})
+        strategy = strategy.model_copy(update=update)
+        engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy,
+                           lr_scheduler=scheduler)
+        history = engine.fit(lm_data(int(steps) * int(batch), 16, 64),
+                             batch_size=int(batch), verbose=0)
+        results[run] = {"loss": history["loss"], "state": _cloned(engine.state_dict()),
+                        "compile_s": history.get("compile_s", [])}
+    return results
+
+
+SCENARIOS = {"train_scaled": train_scaled, "train_compiled": train_compiled,
              "train_gpt": train_gpt, "train_auto": train_auto, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,

@@ -19,6 +19,7 @@ from autopar.models import MLP
 from autopar.models.gpt import lm_loss
 from autopar.runtime import CompileError, CompileNote
 
+from .multiproc import run_ranks
 from .parity import gpt_optimizer, lm_data, one_thread, parity_gpt  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,8 +34,8 @@ def _mlp():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), None
 
 
-def _gpt():
-    model = parity_gpt("adamw", layers=1, dropout=0.1)
+def _gpt(dropout: float = 0.1):
+    model = parity_gpt("adamw", layers=1, dropout=dropout)
     optimizer, scheduler = gpt_optimizer("adamw", model)
     return model, optimizer, scheduler
 
@@ -44,14 +45,17 @@ CASES = {"mlp": (_mlp, F.mse_loss, lambda: [(torch.randn(16), torch.randn(8))
          "gpt": (_gpt, lm_loss, lambda: lm_data(32, 16, 64))}
 
 
-def _eager(make, loss_fn, data, compiled: bool) -> tuple[list[float], torch.nn.Module]:
+def _eager(make, loss_fn, data, compiled: bool, autocast: bool = False
+           ) -> tuple[list[float], torch.nn.Module]:
     """The eager loop, its step under torch.compile when ``compiled`` (random ops drawn
-    as eager draws them, as autopar's compiled programs draw them)."""
+    as eager draws them, as autopar's compiled programs draw them); its forward under bf16
+    autocast when ``autocast``."""
     model, optimizer, scheduler = make()
 
     def step(x, y):
         optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -121,13 +125,54 @@ def test_gradient_merge_evaluate_and_predict_run_compiled():
         assert len(engine.history["compile_s"]) == done + 1
 
 
-@pytest.mark.parametrize("config", ["dp", "pp_1f1b"])
-def test_plans_not_compiled_yet_are_refused_or_run_uncompiled_with_a_warning(config):
+# (config, dropout) trained on two real gloo ranks, compiled and not, one launch for each
+REAL_RANKS = ["dp:0.1", "tp_sp:0.1", "dp_zero3:0.1", "pp_1f1b:0", "dp_recompute:0",
+              "dp_amp:0:O1"]
+
+
+def _state_deviation(got: dict, want: dict) -> float:
+    return max(((got[k].double() - w.double()).norm() / w.double().norm()).item()
+               for k, w in want.items() if w.is_floating_point() and w.norm() > 0)
+
+
+def test_compiled_programs_on_real_ranks_train_as_uncompiled_ones(capsys):
+    """dp (bucketed all-reduce starts), tp with sequence parallelism (reduce-scatter,
+    all-gather), ZeRO-3 (prefetched gathers, early reduce-scatters), 1F1B (job programs,
+    messages between them, the post job in segments), recompute and bf16 amp on two gloo
+    ranks: compiled within twice torch.compile's own deviation from eager on the same model
+    (measured here, at least fp32's epsilon; amp O1: of the eager loop under bf16
+    autocast)."""
+    plain = run_ranks("train_compiled", 2, "6", "4", "0", *REAL_RANKS, timeout=600)
+    compiled = run_ranks("train_compiled", 2, "6", "4", "1", *REAL_RANKS, timeout=600)
+    data = lm_data(24, 16, 64)
+    theirs = {}
+    for dropout, autocast in ((0.0, False), (0.1, False), (0.0, True)):
+        make = lambda: _gpt(dropout)  # noqa: E731
+        theirs[dropout, autocast] = _deviation(
+            *_eager(make, lm_loss, data, compiled=True, autocast=autocast),
+            *_eager(make, lm_loss, data, compiled=False, autocast=autocast))
+    for run in REAL_RANKS:
+        config, dropout, *amp = run.split(":")
+        bound = [max(2 * t, EPS) for t in theirs[float(dropout), bool(amp)]]
+        for rank in range(2):
+            got, want = compiled[rank][run], plain[rank][run]
+            assert 1 <= len(got["compile_s"]) <= 2 and not want["compile_s"], run
+            loss = max(abs(a - b) / abs(b) for a, b in zip(got["loss"], want["loss"]))
+            assert loss <= bound[0], (run, rank, loss, bound)
+            params = _state_deviation(got["state"], want["state"])
+            assert params <= bound[1], (run, rank, params, bound)
+        with capsys.disabled():
+            print(f"\n{run}: compiled vs uncompiled (loss, params) {loss:.1e}, {params:.1e}; "
+                  f"bound {bound[0]:.1e}, {bound[1]:.1e}; compile {sum(got['compile_s']):.1f} s")
+
+
+def test_simulated_plans_are_refused_or_run_uncompiled_with_a_warning():
+    config = "pp_1f1b"
     sections = ap.Strategy.from_yaml(f"configs/{config}.yaml").model_dump(
         exclude={"debug"}, exclude_unset=True)
     make, loss_fn, make_data = CASES["gpt"]
     simulated = {**sections, "debug": {"simulate": True}}
-    with pytest.raises(CompileError, match="is not compiled: only a process's own program"):
+    with pytest.raises(CompileError, match="is not compiled: compiled programs run on real"):
         _autopar(make, loss_fn, make_data()[:8], {**simulated, **COMPILE})
     eager = {"compile": {"enable": True, "fallback": "eager"}}
     with pytest.warns(CompileNote, match="it runs uncompiled"):

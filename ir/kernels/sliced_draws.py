@@ -18,6 +18,15 @@ def _is_global(x: torch.Tensor, shape: Sequence[int], strides: Sequence[int]) ->
     return tuple(x.shape) == tuple(shape) and tuple(x.stride()) == tuple(strides)
 
 
+def _resolved(target: str):
+    """The kernel of ``target``: an ATen op's overload by attribute (so ``torch.compile``
+    traces the lookup), any other through the op registry."""
+    namespace, name, overload = (target.split(".") + ["default"])[:3]
+    if namespace != "aten":
+        return resolve(target)
+    return getattr(getattr(torch.ops.aten, name), overload)
+
+
 def _slice(full: torch.Tensor, bounds: Bounds) -> torch.Tensor:
     return full[tuple(slice(a, b) for a, b in bounds)]
 
@@ -34,7 +43,7 @@ def sliced_random(target: str, global_shape: Sequence[int], strides: Sequence[in
     arguments are global already (their results are contiguous). In-place ops fill
     ``template`` with the piece.
     """
-    fn = resolve(target)
+    fn = _resolved(target)
     if template is None:
         full = fn(*args, **kwargs)
     elif _is_global(template, global_shape, strides):
