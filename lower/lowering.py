@@ -76,8 +76,10 @@ def lower_program(program: Program, mesh: ProcessMesh | None,
     results = tuple(ResultLayout(slot, tuple(v.type.shape) if v.is_tensor else None, v.dist)
                     for slot, v in program.results())
     random = any(draws_random(op) for op in program.ops_of(OpKind.CALL))
+    names = value_names(program)
     lowered = Lowered(program, mesh, {}, results, pipeline, schedule, draws_random=random,
-                      compile=compile)
+                      compile=compile, random_ops=tuple(
+                          (f"rng/{names[op.outputs[0]]}", op) for op in random_ops(program)))
     if pipeline is not None:
         _lower_pipeline(lowered, processes, dump, check)
     elif mesh is None or mesh.size == 1:
@@ -128,9 +130,7 @@ def _lower_pipeline(lowered: Lowered, processes: Iterable[int] | None, dump: Dum
         raise LoweringError("a pipelined program needs its schedule (the schedule_pipeline "
                             "pass) to be lowered")
     jobs = plan_jobs(program, layout, lowered.schedule)
-    names = value_names(program)
     lowered.jobs = jobs
-    lowered.random_ops = tuple((f"rng/{names[op.outputs[0]]}", op) for op in random_ops(program))
     every = sorted(i for ids in layout.stage_ids for i in ids)
     for process in (every if processes is None else processes):
         place = layout.locate(process)

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._prims.rng_prims import run_with_rng_state
 
 from ..ir import Op, OpKind, Program, Value
 from ..ir.attrs import MULTI, NAME
-from ..ir.ops import op_info, resolve
+from ..ir.kernels.generator_state import functional_target
+from ..ir.ops import draws_random, op_info, resolve
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,14 @@ class Outside:
     """A comm op that runs outside the generated function (a pipeline job's message, around
     its compiled body): a receive becomes the feed ``key``; a send's value becomes an extra
     result after the program's own, in program order."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """A random op of a traced program that draws from the generator state fed as ``key``
+    (the runtime computes eager's state at it), not from the generator."""
 
     key: str
 
@@ -84,8 +94,13 @@ def _dying(last: dict[Value, int], kept: set[Value]) -> dict[int, list[Value]]:
 
 
 def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
-             comm: dict[Op, Callable] | None = None) -> str:
+             comm: dict[Op, Callable] | None = None, rng_state: str | None = None) -> str:
     lhs = ", ".join(names[v] for v in op.outputs)
+    bound = (comm or {}).get(op)
+    if isinstance(bound, Outside) and op.kind is not OpKind.COMM:
+        return _emit_outside(op, bound, em, names)
+    if isinstance(bound, Drawn):
+        rng_state = f"feeds[{bound.key!r}]"
     if op.kind is OpKind.COMM:
         if comm is None or op not in comm:
             raise ValueError(f"codegen: {op.target} ({op.module or 'top level'}) has no bound "
@@ -105,6 +120,11 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
     args = [em.literal(a, names) for a in op.args]
     args += [f"{k}={em.literal(v, names)}" for k, v in op.kwargs.items()]
     call = f"{em.kernel(op.target)}({', '.join(args)})"
+    if rng_state is not None:        # drawn from a given generator state (a traced program)
+        call = (f"{em.constant(run_with_rng_state)}({rng_state}, "
+                f"{em.kernel(functional_target(op.target))}, {', '.join(args)})"
+                if isinstance(resolve(op.target), torch._ops.OpOverload) else
+                f"{call[:-1]}, rng_state={rng_state})")
     if not op.outputs:
         return call
     if op.attrs.get(MULTI) and len(op.outputs) == 1:
@@ -201,6 +221,12 @@ def generate_segments(program: Program, starts: list[int], name: str = "step",
     return fns, source
 
 
+def _sets_generator_for_next(ops: list[Op], i: int, end: int) -> bool:
+    """Whether op ``i`` sets the generator's state for the random op right after it."""
+    return (ops[i].kind is OpKind.CALL and ops[i].target == "autopar.set_rng_state"
+            and i + 1 < end and ops[i + 1].kind is OpKind.CALL and draws_random(ops[i + 1]))
+
+
 def _segment(ops: list[Op], begin: int, end: int, fname: str, carries: bool, em: _Emitter,
              names: dict[Value, str], comm, dying: dict[int, list[Value]],
              made: set[Value]) -> list[str]:
@@ -213,8 +239,13 @@ def _segment(ops: list[Op], begin: int, end: int, fname: str, carries: bool, em:
     i = begin
     while i < end:
         stop = min(_batch_run(ops, i), end)
-        line = (_emit_batched(ops[i:stop], em, names) if stop - i > 1
-                else _emit_op(ops[i], em, names, comm))
+        if em.traceable and _sets_generator_for_next(ops, i, end):
+            # Dynamo cannot trace setting the generator: the draw takes the state instead
+            stop = i + 2
+            line = _emit_op(ops[i + 1], em, names, comm, rng_state=names[ops[i].args[0]])
+        else:
+            line = (_emit_batched(ops[i:stop], em, names) if stop - i > 1
+                    else _emit_op(ops[i], em, names, comm))
         lines.append("    " + line)
         dead = [names[v] for j in range(i, stop) if ops[j].kind is not OpKind.OUTPUT
                 for v in dying.get(j, ())]

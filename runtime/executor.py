@@ -14,15 +14,16 @@ from typing import Any, Protocol
 
 import torch
 
-from ..ir import Slot
+from ..ir import Op, OpKind, Slot
+from ..ir.ops import draws_random
 from ..lower.executable import CompileSpec, RankProgram
-from .codegen import generate
+from .codegen import Drawn, Outside, generate
 from .collectives import bind
 from .compiled import CompiledStep
 from .job_store import cut_feeds
 from .process_groups import MeshGroups
 from .rank_state import cut_piece
-from .seeding import forked_generator
+from .seeding import eager_rng_states, forked_generator
 
 __all__ = ["Executor", "PipelinedExecutor", "ProgramExecutor", "compile_seconds"]
 
@@ -57,7 +58,8 @@ class ProgramExecutor:
     """
 
     def __init__(self, rank: RankProgram, state: dict[str, Any],
-                 groups: MeshGroups | None = None, compile: CompileSpec | None = None):
+                 groups: MeshGroups | None = None, compile: CompileSpec | None = None,
+                 random_ops: tuple[tuple[str, Op], ...] = ()):
         self.rank, self.state = rank, state
         for name, piece in rank.state.items():
             if piece.const is not None:
@@ -70,6 +72,10 @@ class ProgramExecutor:
                              "process groups")
         ops = rank.program.ops
         comm = {ops[i]: bind(spec, groups) for i, spec in rank.comms.items()}
+        self.random_ops: tuple[tuple[str, Op], ...] = ()
+        if compile is not None and any(op.target == "autopar.get_rng_state" for op in ops):
+            comm.update(_fed_draws(rank.program, random_ops))
+            self.random_ops = random_ops
         self.fn, self.source = generate(rank.program, comm=comm, traceable=compile is not None)
         if compile is not None:
             self.fn = CompiledStep(self.fn, self.source, rank.program, compile,
@@ -84,6 +90,8 @@ class ProgramExecutor:
         """Run one step; state updates are written back, the other results returned."""
         if self.rank.inputs:
             feeds = cut_feeds(feeds, self.rank.inputs)
+        if self.random_ops and seed is not None:
+            feeds = {**feeds, **eager_rng_states(self.random_ops, seed)}
         with torch.no_grad():
             if self.rank.draws_random and seed is not None:
                 with forked_generator(seed):
@@ -93,3 +101,25 @@ class ProgramExecutor:
         for index, name in self._updates:
             self.state[name] = values[index]
         return {self.slots[i]: values[i] for i in self._returned}
+
+
+def _fed_draws(program, random_ops: tuple[tuple[str, Op], ...]) -> dict[Op, Drawn | Outside]:
+    """A traced program that recomputes random ops: Dynamo cannot read the generator, so
+    every random op draws from eager's state at it, fed by the runtime (``Drawn``), and each
+    read of the state before one (``autopar.get_rng_state``) is that feed (``Outside``).
+    The program has the global program's random ops, in its order (``lower.partition``)."""
+    drawing = [op for op in program.ops
+               if op.kind is OpKind.CALL and op.recomputes is None and draws_random(op)]
+    if len(drawing) != len(random_ops):
+        raise ValueError(f"compile: the program draws {len(drawing)} times, the global "
+                         f"program {len(random_ops)}: their random states cannot be fed")
+    keys = {op: key for op, (key, _) in zip(drawing, random_ops)}
+    bound: dict[Op, Drawn | Outside] = {op: Drawn(key) for op, key in keys.items()}
+    pending = []
+    for op in program.ops:
+        if op.kind is OpKind.CALL and op.target == "autopar.get_rng_state":
+            pending.append(op)
+        elif op in keys:
+            bound.update({read: Outside(keys[op]) for read in pending})
+            pending = []
+    return bound

@@ -87,7 +87,8 @@ class LocalRuntime:
             return PipelineSimulator(lowered, self.state)
         if processes > 1:
             return SimulatedExecutor(lowered, self.state)
-        return ProgramExecutor(lowered.process(0), self.state, compile=lowered.compile)
+        return ProgramExecutor(lowered.process(0), self.state, compile=lowered.compile,
+                               random_ops=lowered.random_ops)
 
     def names(self) -> list[str]:
         return sorted(self.state)
@@ -151,7 +152,8 @@ class DistributedRuntime:
         groups = mesh_groups(lowered.mesh)
         state = self._state(lowered.mesh, lambda: RankState(groups, device=self.device))
         state.adopt(made.state, made.state, initial, pieces)
-        return ProgramExecutor(made, state.tensors, groups, compile=lowered.compile)
+        return ProgramExecutor(made, state.tensors, groups, compile=lowered.compile,
+                               random_ops=lowered.random_ops)
 
     def _pipeline(self, lowered: Lowered, made: PipelineProcess, initial: Initial,
                   pieces: Pieces | None) -> Executor:
