@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -140,7 +141,7 @@ class Planner:
             self.dump_dir, ctx.inputs.dump_prefix, len(manager.passes) + 1)
         lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
                                 self._processes(facts), dump, check=self.strategy.debug.verify,
-                                compile=self._compile())
+                                compile=self._compile(dump))
         step = PlannedStep(captured.spec, program, facts, dict(manager.timings), lowered)
         if dump is not None or self.strategy.memory_limit_gb is not None:
             estimates = self.memory(step)
@@ -152,12 +153,18 @@ class Planner:
                                f"({self._sharding_text()})")
         return step
 
-    def _compile(self) -> CompileSpec | None:
-        """The strategy's ``compile`` section as the runtime reads it (None: off)."""
+    def _compile(self, dump: Dump | None) -> CompileSpec | None:
+        """The strategy's ``compile`` section as the runtime reads it (None: off); with a
+        dump, Inductor's code of each program goes next to the program's dump."""
         config = self.strategy.compile
         if not config.is_enabled:
             return None
-        return CompileSpec(config.backend, config.mode, config.fallback, config.cache_dir)
+        code = None
+        if dump is not None:       # braces of the directory's name kept out of the template
+            where = str(dump.dir).replace("{", "{{").replace("}", "}}")
+            code = str(Path(where) / "rank{process}"
+                       / f"{dump.prefix}{dump.number:02d}_compiled_{{name}}.py")
+        return CompileSpec(config.backend, config.mode, config.fallback, config.cache_dir, code)
 
     def _precision(self) -> Precision | None:
         """The strategy's ``amp`` section as capture computes it (None: off)."""

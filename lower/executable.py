@@ -130,12 +130,15 @@ class StatePiece:
 class CompileSpec:
     """How the runtime compiles a process's program (``compile:`` in the strategy):
     ``torch.compile``'s backend and mode, what a program it refuses does (``error`` or
-    ``eager``), and Inductor's cache directory (None: torch's default)."""
+    ``eager``), Inductor's cache directory (None: torch's default), and where the code
+    Inductor made goes (``debug.dump_dir``): a path with ``{process}`` and ``{name}`` (the
+    program: ``program``, ``job<i>``...) to fill, None for nowhere."""
 
     backend: str = "inductor"
     mode: str = "default"
     fallback: str = "error"
     cache_dir: str | None = None
+    dump: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,32 @@ the time it takes is counted (``CompiledStep.compile_s``) for the engine to repo
 Random ops keep drawing what they draw uncompiled: Inductor runs them as the ATen kernels
 on the generator the runtime forked for the step (``fallback_random``), in program order.
 
+With ``debug.dump_dir``, the code Inductor made for each program (every graph it compiled,
+in order) is written next to the program's dump (``NN_compiled_program.py``, one per
+pipeline job): where each collective starts and where it is waited for, among the
+kernels.
+
 A program the compiler refuses is an error naming the op of the failing line of the
 generated code (its target, module and role) and where the dumps are, or with
 ``fallback: eager`` a warning saying why, and the program runs uncompiled from then on.
 """
 from __future__ import annotations
 
+import contextlib
+import heapq
 import os
 import re
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from unittest import mock
 
 import torch
+from torch._inductor.graph import GraphLowering
 
-from ..ir import Op, Program
+from ..ir import Op, OpKind, Program
 from ..lower.executable import CompileSpec
 
 __all__ = ["CompiledStep", "CompileError", "CompileNote", "not_compiled"]
@@ -43,13 +53,15 @@ class CompiledStep:
     """``fn`` compiled on its first call; a drop-in for it."""
 
     def __init__(self, fn: Callable, source: str, program: Program, spec: CompileSpec,
-                 where: str):
+                 where: str, name: str = "program", process: int = 0):
         self.eager, self.source, self.program = fn, source, program
         self.spec, self.where = spec, where
+        self.dump = None if spec.dump is None else spec.dump.format(process=process, name=name)
+        self.code: list[str] = []           # Inductor's code of each graph, when dumped
         self.compile_s = 0.0
         if spec.cache_dir is not None:      # where Inductor keeps compiled graphs on disk
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(spec.cache_dir)
-        options = {"fallback_random": True} if spec.backend == "inductor" else None
+        options = _inductor_options(program) if spec.backend == "inductor" else None
         self.fn = torch.compile(fn, backend=spec.backend, mode=_mode(spec),
                                 options=options, fullgraph=True)
         self._seen = 0
@@ -58,7 +70,8 @@ class CompiledStep:
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         try:
-            out = self.fn(feeds, state, *carried)
+            with self._keeping_code():
+                out = self.fn(feeds, state, *carried)
         except torch._dynamo.exc.TorchDynamoException as err:
             # tracing or compiling failed, before the step ran (errors of the step itself
             # pass through as they would uncompiled)
@@ -66,6 +79,23 @@ class CompiledStep:
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != frames:
             self.compile_s += time.perf_counter() - start   # this call compiled a graph
         return out
+
+    @contextlib.contextmanager
+    def _keeping_code(self) -> Iterator[None]:
+        """Collect the code of any graph Inductor compiles (or loads from its cache) in the
+        body, and write it to the dump."""
+        if self.dump is None:
+            yield
+            return
+        made: list[str] = []
+        with mock.patch.object(GraphLowering, "save_output_code", made.append):
+            yield
+        if made:
+            self.code += made
+            path = Path(self.dump)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(f"# ---- graph {i} of {self.where} ----\n{code}\n"
+                                    for i, code in enumerate(self.code)))
 
     def _refused(self, err: Exception, feeds: dict[str, Any], state: dict[str, Any],
                  *carried: Any) -> tuple:
@@ -93,6 +123,65 @@ def not_compiled(spec: CompileSpec, where: str, why: str) -> None:
         raise CompileError(text + "; compile: {fallback: eager} runs it uncompiled")
     warnings.warn(text + "; it runs uncompiled (compile: {fallback: eager})", CompileNote,
                   stacklevel=3)
+
+
+def _inductor_options(program: Program) -> dict[str, Any]:
+    """Random ops draw as they do uncompiled (the ATen kernels on the forked generator, in
+    program order); a program that communicates keeps what our passes placed: each
+    collective starts as soon as its input is ready and is waited for only where its result
+    is first read, with the compute between them (Inductor's own order would start a
+    bucket's all-reduce next to its wait)."""
+    options: dict[str, Any] = {"fallback_random": True}
+    if any(op.kind is OpKind.COMM for op in program.ops):
+        options["reorder_for_compute_comm_overlap"] = True
+        options["reorder_for_compute_comm_overlap_passes"] = [in_program_order]
+    return options
+
+
+def in_program_order(nodes: list) -> list:
+    """Inductor's scheduled nodes (kernels, collectives, waits) in the order of the program
+    they came from, as far as their dependencies allow: each collective starts where our
+    passes started it and is waited for where they waited (Inductor's own order moves
+    them; its ``raise_comms`` would start every ZeRO-3 gather at the top, holding every
+    parameter whole). A node fused from several ops goes where its first op was."""
+    position = {node: _first_origin(node) for node in nodes}
+    producer = {name: node for node in nodes for name in node.get_buffer_names()}
+    waiting = {node: {d.name for d in node.unmet_dependencies if d.name in producer}
+               for node in nodes}
+    readers: dict[str, list] = {}
+    for node, names in waiting.items():
+        for name in names:
+            readers.setdefault(name, []).append(node)
+    ready = [(position[n], i, n) for i, n in enumerate(nodes) if not waiting[n]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        order.append(node)
+        for name in node.get_buffer_names():
+            for reader in readers.get(name, ()):
+                waiting[reader].discard(name)
+                if not waiting[reader]:
+                    heapq.heappush(ready, (position[reader], nodes.index(reader), reader))
+    if len(order) != len(nodes):      # a dependency we did not see: keep Inductor's order
+        return nodes
+    return order
+
+
+def _first_origin(node) -> int:
+    """The position in its graph of the first op ``node`` was made from."""
+    origins = [o for part in node.get_nodes() if part.node is not None
+               for o in part.node.origins]
+    if not origins:
+        return 1 << 62
+    graph = origins[0].graph
+    index = _GRAPH_ORDER.get(id(graph))
+    if index is None or index[0] is not graph:
+        index = _GRAPH_ORDER[id(graph)] = (graph, {n: i for i, n in enumerate(graph.nodes)})
+    return min(index[1].get(o, 1 << 62) for o in origins)
+
+
+_GRAPH_ORDER: dict[int, tuple[Any, dict]] = {}
 
 
 def _mode(spec: CompileSpec) -> str | None:

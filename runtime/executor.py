@@ -79,7 +79,8 @@ class ProgramExecutor:
         self.fn, self.source = generate(rank.program, comm=comm, traceable=compile is not None)
         if compile is not None:
             self.fn = CompiledStep(self.fn, self.source, rank.program, compile,
-                                   f"process {rank.process}'s program")
+                                   f"process {rank.process}'s program", "program",
+                                   rank.process)
         slots: list[Slot] = [s for s, _ in rank.program.results()]
         self.slots = slots
         self._updates = [(i, s.name) for i, s in enumerate(slots) if s.kind == "update"]

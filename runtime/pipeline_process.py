@@ -64,7 +64,7 @@ class PipelineExecutor:
                 groups, logical_mesh, process.coordinate, max(job.micro_batch, 0))
             comm = self._bind(made, job_groups)
             self.fns[job] = (_compiled_job(made, comm, compile, f"process {process.process}'s "
-                                           f"job {job} (job{i})", f"job{i}")
+                                           f"job {job} (job{i})", f"job{i}", process.process)
                              if compile is not None else
                              generate(made.program, name=f"job{i}", comm=comm)[0])
             self.slots[job] = made.program.output_op.attrs[SLOTS]
@@ -194,8 +194,8 @@ class _MessagesAround:
         return values
 
 
-def _compiled_job(job: JobProgram, comm: dict, spec: CompileSpec, where: str, name: str
-                  ) -> Callable:
+def _compiled_job(job: JobProgram, comm: dict, spec: CompileSpec, where: str, name: str,
+                  process: int) -> Callable:
     """The job's program through ``torch.compile`` without its messages
     (``_MessagesAround``): a new segment starts at each receive that follows a send."""
     ops = job.program.ops
@@ -216,8 +216,10 @@ def _compiled_job(job: JobProgram, comm: dict, spec: CompileSpec, where: str, na
             sends[-1].append(comm[ops[i]])
     fns, source = generate_segments(job.program, starts, name=name, comm=outside,
                                     traceable=True)
+    segmented = len(fns) > 1
     bodies = [CompiledStep(fn, source, job.program, spec,
-                           where + (f", segment {k}" if len(fns) > 1 else ""))
+                           where + (f", segment {k}" if segmented else ""),
+                           name + (f"_{k}" if segmented else ""), process)
               for k, fn in enumerate(fns)]
     return _MessagesAround(bodies, receives, sends, len(job.program.output_op.args))
 

@@ -506,7 +506,21 @@ def train_compiled(steps: str, batch: str, compiled: str, *runs: str) -> dict:
     return results
 
 
+def compiled_dump(config: str, dump_dir: str) -> dict:
+    """Two compiled steps of the one-layer GPT on ``configs/<config>.yaml``, dumped to
+    ``dump_dir`` (Inductor's code of each program next to the passes' dumps)."""
+    from autopar.models.gpt import lm_loss
+    model = parity_gpt("sgd", layers=2)
+    optimizer, scheduler = gpt_optimizer("sgd", model)
+    strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml").model_copy(
+        update={"compile": ap.Strategy(compile={"enable": True}).compile,
+                "debug": ap.Strategy(debug={"dump_dir": dump_dir}).debug})
+    engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy, lr_scheduler=scheduler)
+    return {"loss": engine.fit(lm_data(8, 16, 64), batch_size=4, verbose=0)["loss"]}
+
+
 SCENARIOS = {"train_scaled": train_scaled, "train_compiled": train_compiled,
+             "compiled_dump": compiled_dump,
              "train_gpt": train_gpt, "train_auto": train_auto, "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,

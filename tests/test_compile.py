@@ -10,6 +10,8 @@ by name, or with ``fallback: eager`` run uncompiled with a warning.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -236,3 +238,52 @@ def test_compiled_graphs_go_to_the_cache_dir(tmp_path, monkeypatch):
              {"compile": {"enable": True, "cache_dir": str(cache)}})
     assert any(p.is_file() for p in cache.rglob("*"))
     assert not (tmp_path / "elsewhere").exists()
+
+
+def _ir_overlaps(dump: str) -> int:
+    """Asynchronous collectives of a rank's program dump with compute between their start
+    and their wait."""
+    lines = dump.splitlines()
+    started = {m.group(1): i for i, line in enumerate(lines)
+               if (m := re.match(r"(%\d+): !comm.handle = comm\.\w+_start\(", line))}
+    count = 0
+    for handle, start in started.items():
+        wait = next(i for i, line in enumerate(lines) if f"comm.wait({handle})" in line)
+        count += any(re.search(r"= (aten|optim)\.", line) for line in lines[start + 1:wait])
+    return count
+
+
+def _compiled_overlaps(code: str) -> int:
+    """The same in Inductor's code of the program's first graph: collectives (functional,
+    so a start names its buffer) with a kernel between start and ``wait_tensor``."""
+    lines = code.split("# ---- graph 1")[0].splitlines()
+    started = {}
+    for i, line in enumerate(lines):
+        made = re.match(r"\s+(buf\d+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|"
+                        r"reduce_scatter_tensor|all_to_all_single)\.", line)
+        reduced = re.match(r"\s+torch\.ops\._c10d_functional\.all_reduce_\.default\("
+                           r"(?:reinterpret_tensor\()?(buf\d+)", line)
+        if made or reduced:
+            started[(made or reduced).group(1)] = i
+    count = 0
+    for buf, start in started.items():
+        wait = next(i for i, line in enumerate(lines) if i > start and re.search(
+            rf"wait_tensor\.default\((?:reinterpret_tensor\()?{buf}\b", line))
+        count += any(re.match(r"\s+(extern_kernels\.\w+|cpp_fused_\w+)\(", line)
+                     for line in lines[start + 1:wait])
+    return count
+
+
+def test_compiled_code_keeps_the_overlap_the_passes_placed(tmp_path):
+    """ZeRO-3 on two ranks (prefetched gathers, early reduce-scatters, the loss's
+    all-reduce): in Inductor's code of each rank's program (dumped next to the passes'
+    dumps) as many collectives have kernels between their start and their wait as the
+    program has compute between them, not fewer (Inductor's own order starts some next to
+    their wait)."""
+    run_ranks("compiled_dump", 2, "dp_zero3", str(tmp_path), timeout=600)
+    for rank in range(2):
+        folder = tmp_path / f"rank{rank}"
+        [program] = folder.glob("[0-9][0-9]_partition.txt")      # the training step's
+        [code] = folder.glob("[0-9][0-9]_compiled_program.py")
+        planned, compiled = _ir_overlaps(program.read_text()), _compiled_overlaps(code.read_text())
+        assert planned >= 4 and compiled >= planned, (rank, planned, compiled)
