@@ -184,13 +184,17 @@ class Engine:
         optimizer state, buffers, peak activations, communication buffers and the peak;
         ``format_estimates`` prints them as a table), and in ``.time`` the predicted step
         time (``predict_time``; on ``profile``, default this machine's calibrated one, else
-        the shipped reference, said in ``.profile_note``)."""
+        the shipped reference, said in ``.profile_note``); with ``compile:``, ``.compile_s``
+        is the seconds the step's programs took to compile once it has run (None before)."""
         self._settle_auto(inputs, labels)
         step = self.planner.plan(mode, inputs, labels)
         note = ""
         if profile is None:
             profile, note = auto_profile(self.strategy)
-        return StepCost(self.planner.memory(step), self.planner.time(step, profile), note)
+        compiled = (compile_seconds(step.executor)
+                    if step.executor is not None and step.lowered.compile is not None else None)
+        return StepCost(self.planner.memory(step), self.planner.time(step, profile), note,
+                        compiled)
 
     def predict_time(self, inputs: Any, labels: Any = None, mode: str = "train",
                      profile: Profile | None = None) -> StepTime:

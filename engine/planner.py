@@ -44,12 +44,14 @@ __all__ = ["PlannedStep", "Planner", "StepCost"]
 
 class StepCost(dict[int, MemoryEstimate]):
     """``Engine.cost``'s answer: each rank's predicted memory (rank -> ``MemoryEstimate``),
-    and the predicted step ``time`` (``cost.predict.StepTime``)."""
+    the predicted step ``time`` (``cost.predict.StepTime``), and with ``compile:`` the
+    seconds this step's programs took to compile (``compile_s``: measured when the step
+    first ran; None before it has, or when nothing is compiled)."""
 
     def __init__(self, memory: dict[int, MemoryEstimate], time: StepTime,
-                 profile_note: str = ""):
+                 profile_note: str = "", compile_s: float | None = None):
         super().__init__(memory)
-        self.time, self.profile_note = time, profile_note
+        self.time, self.profile_note, self.compile_s = time, profile_note, compile_s
 
     @property
     def step_s(self) -> float:

@@ -106,6 +106,10 @@ def test_compiled_steps_deviate_from_eager_as_torch_compile_does(case, capsys):
     for mine, torchs in zip(ours, theirs):
         assert mine <= max(2 * torchs, EPS)
     assert 1 <= len(engine.history["compile_s"]) <= 2
+    # engine.cost says what the step's compiling took (None for a step not run yet)
+    x, y = (torch.stack(t) for t in zip(*data[:4]))
+    assert engine.cost(x, y).compile_s == pytest.approx(sum(engine.history["compile_s"]))
+    assert engine.cost(x[:2], y[:2]).compile_s is None
 
 
 def test_gradient_merge_evaluate_and_predict_run_compiled():
