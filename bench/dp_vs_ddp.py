@@ -11,7 +11,10 @@ for a few steps before timing, then the steps alternate (warm-up first) and rank
 the median step times (each step: the slowest rank) and the ratio autopar/DDP (< 1 means
 autopar is faster). ``--bucket-mb`` overrides the yaml's gradient bucket size (DDP keeps
 its defaults); ``--profile`` adds where autopar's step and DDP's spend their time
-(``bench/profile_step.py``).
+(``bench/profile_step.py``). ``--compile``: autopar with ``compile: {enable: true}`` (forward,
+backward, update and the bucketed all-reduces in one Inductor graph) vs
+``torch.compile(DDP(model))`` (DDP's own recipe: Dynamo's DDPOptimizer cuts the graph at the
+buckets).
 """
 from __future__ import annotations
 
@@ -27,7 +30,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ranks import ROOT, finish, gpt_arguments, init, main, paired, report  # noqa: E402
+from ranks import (  # noqa: E402
+    ROOT,
+    compiled_strategy,
+    finish,
+    first_steps,
+    gpt_arguments,
+    init,
+    main,
+    paired,
+    report,
+)
 
 import autopar as ap  # noqa: E402
 from autopar.models import GPT, GPTConfig  # noqa: E402
@@ -63,13 +76,14 @@ def rank_main(args: argparse.Namespace) -> None:
     rows = slice(*(rank * args.batch // world, (rank + 1) * args.batch // world))
 
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                       strategy=strategy(args.bucket_mb))
+                       strategy=compiled_strategy(strategy(args.bucket_mb), args.compile))
     ddp = DistributedDataParallel(ref)
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    forward = torch.compile(ddp) if args.compile else ddp
 
     def ddp_step() -> torch.Tensor:
         ddp_opt.zero_grad()
-        loss = lm_loss(ddp(x[rows]), y[rows])
+        loss = lm_loss(forward(x[rows]), y[rows])
         loss.backward()
         ddp_opt.step()
         return loss.detach()
@@ -77,12 +91,15 @@ def rank_main(args: argparse.Namespace) -> None:
     def autopar_step() -> float:
         return engine.train_step(x, y)
 
+    first = first_steps({"autopar": autopar_step, "DDP": ddp_step})
     _check_losses(autopar_step, ddp_step, world)
     times = paired({"autopar": autopar_step, "DDP": ddp_step}, args.steps, args.warmup)
     if rank == 0:
         print(f"GPT {args.layers}x{args.width}, global batch {args.batch}x{args.seq}, AdamW, "
               f"data parallel on {world} gloo ranks, {torch.get_num_threads()} thread(s) each, "
-              f"autopar bucket_mb {engine.strategy.data_parallel.bucket_mb:g}")
+              f"autopar bucket_mb {engine.strategy.data_parallel.bucket_mb:g}"
+              + (f"; compiled both (first step: autopar {first['autopar']:.1f} s, DDP + "
+                 f"torch.compile {first['DDP']:.1f} s)" if args.compile else ""))
         report(times, "autopar", "DDP")
     if args.profile:
         from profile_step import profile_pair

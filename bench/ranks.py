@@ -85,7 +85,27 @@ def gpt_arguments(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compile", action="store_true",
+                        help="autopar with compile: {enable: true}, the torch peer under "
+                             "torch.compile (its usual recipe); compile times printed")
     return parser
+
+
+def compiled_strategy(strategy, compile: bool):
+    """``strategy`` with ``compile: {enable: true}`` when ``compile``."""
+    if not compile:
+        return strategy
+    import autopar as ap
+    return strategy.model_copy(update={"compile": ap.Strategy(compile={"enable": True}).compile})
+
+
+def first_steps(steps: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each side's first step alone (where a compiled one compiles), in seconds."""
+    times = {}
+    for name, step in steps.items():
+        dist.barrier()
+        times[name] = _timed(step)
+    return times
 
 
 def main(script: str, rank_main: Callable[[], object]) -> None:

@@ -42,7 +42,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ranks import (  # noqa: E402
+    compiled_strategy,
     finish,
+    first_steps,
     gpt_arguments,
     held_state,
     init,
@@ -95,10 +97,11 @@ def rank_main(args: argparse.Namespace) -> None:
     y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
 
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                       strategy=strategy(world))
+                       strategy=compiled_strategy(strategy(world), args.compile))
     mesh = DeviceMesh("cpu", list(range(world)))
     theirs_model = dtensor_model(theirs_model, mesh)
     dt_opt = torch.optim.AdamW(theirs_model.parameters(), lr=1e-3)
+    forward = torch.compile(theirs_model) if args.compile else theirs_model
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
 
     def torch_step(m, opt) -> float:
@@ -110,20 +113,24 @@ def rank_main(args: argparse.Namespace) -> None:
         return float(local(loss.detach()))
 
     def dtensor_step() -> float:
-        return torch_step(theirs_model, dt_opt)
+        return torch_step(forward, dt_opt)
 
     def autopar_step() -> float:
         return engine.train_step(x, y)
 
-    _check_losses({"autopar": autopar_step, "DTensor": dtensor_step},
-                  lambda: torch_step(eager, eager_opt))
+    first = first_steps({"autopar": autopar_step, "DTensor": dtensor_step})
+    eager_step = lambda: torch_step(eager, eager_opt)  # noqa: E731
+    eager_step()
+    _check_losses({"autopar": autopar_step, "DTensor": dtensor_step}, eager_step)
     times = paired({"autopar": autopar_step, "DTensor": dtensor_step}, args.steps, args.warmup)
     memory = held_state(engine, eager, eager_opt, "autopar tp, per rank",
                         {"DTensor tp, per rank": (theirs_model, dt_opt)})
     if rank == 0:
         print(f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq} on every rank, "
               f"AdamW, tensor parallel on {world} gloo ranks, "
-              f"{torch.get_num_threads()} thread(s) each")
+              f"{torch.get_num_threads()} thread(s) each"
+              + (f"; compiled both (first step: autopar {first['autopar']:.1f} s, DTensor + "
+                 f"torch.compile {first['DTensor']:.1f} s)" if args.compile else ""))
         report(times, "autopar", "DTensor")
         print_held_state(memory, world)
     if args.profile:

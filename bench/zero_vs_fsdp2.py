@@ -19,6 +19,8 @@ training. Then the steps alternate (warm-up first) and rank 0 prints the median 
 times (each step from a barrier, its time the slowest rank's), the ratio autopar/FSDP2
 (< 1 means autopar is faster) and the bytes of state each rank holds between steps.
 ``--profile`` adds where each side's step spends its time (``bench/profile_step.py``).
+``--compile``: autopar with ``compile: {enable: true}`` vs FSDP2 with each block compiled
+(torchtitan's recipe: ``block.compile()`` before ``fully_shard``).
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ranks import (  # noqa: E402
     ROOT,
+    compiled_strategy,
     finish,
+    first_steps,
     gpt_arguments,
     held_state,
     init,
@@ -65,9 +69,12 @@ def strategy() -> ap.Strategy:
     return ap.Strategy(**config)
 
 
-def fsdp_model(model: GPT) -> GPT:
-    """FSDP2 the usual way: each block its own group, then the root."""
+def fsdp_model(model: GPT, compile: bool = False) -> GPT:
+    """FSDP2 the usual way: each block its own group (compiled first, with ``compile``, as
+    torchtitan does), then the root."""
     for block in model.blocks:
+        if compile:
+            block.compile()
         fully_shard(block)
     return fully_shard(model)
 
@@ -78,13 +85,13 @@ def rank_main(args: argparse.Namespace) -> None:
     cfg = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=4,
                     n_embd=args.width)
     model = GPT(cfg)
-    eager, theirs = copy.deepcopy(model), fsdp_model(copy.deepcopy(model))
+    eager, theirs = copy.deepcopy(model), fsdp_model(copy.deepcopy(model), args.compile)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     rows = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
 
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                       strategy=strategy())
+                       strategy=compiled_strategy(strategy(), args.compile))
     fsdp_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
 
@@ -105,13 +112,17 @@ def rank_main(args: argparse.Namespace) -> None:
         eager_opt.step()
         return loss.item()
 
+    first = first_steps({"autopar": autopar_step, "FSDP2": fsdp_step})
+    eager_step()
     _check_losses(autopar_step, fsdp_step, eager_step)
     times = paired({"autopar": autopar_step, "FSDP2": fsdp_step}, args.steps, args.warmup)
     memory = held_state(engine, eager, eager_opt, "autopar ZeRO-3, per rank",
                         {"FSDP2, per rank": (theirs, fsdp_opt)})
     if rank == 0:
         print(f"GPT {args.layers}x{args.width}, global batch {args.batch}x{args.seq}, AdamW, "
-              f"ZeRO-3 / FSDP2 on {world} gloo ranks, {torch.get_num_threads()} thread(s) each")
+              f"ZeRO-3 / FSDP2 on {world} gloo ranks, {torch.get_num_threads()} thread(s) each"
+              + (f"; compiled both (first step: autopar {first['autopar']:.1f} s, FSDP2 + "
+                 f"compiled blocks {first['FSDP2']:.1f} s)" if args.compile else ""))
         report(times, "autopar", "FSDP2")
         print_held_state(memory, world)
     if args.profile:

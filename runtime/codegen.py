@@ -7,8 +7,9 @@ activations are freed as soon as the backward no longer needs them.
 from __future__ import annotations
 
 import math
+from collections import ChainMap
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch._prims.rng_prims import run_with_rng_state
@@ -34,6 +35,17 @@ class Drawn:
     (the runtime computes eager's state at it), not from the generator."""
 
     key: str
+
+
+@torch.library.custom_op("autopar::fence", mutates_args=())
+def fence(x: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` made once ``after`` exists, opaque to the compiler (``_Fences``)."""
+    return x.clone()
+
+
+@fence.register_fake
+def _(x: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class _Emitter:
@@ -221,6 +233,40 @@ def generate_segments(program: Program, starts: list[int], name: str = "step",
     return fns, source
 
 
+class _Fences:
+    """Recomputed ops under a compiler: Inductor would fuse a recomputed op with its original
+    (they read the same activations) or run it as soon as its inputs exist, so what recompute
+    frees would live from the forward to the backward. Each run of recomputed ops reads the
+    activations it recomputes from through ``autopar::fence(x, after)``, a copy the
+    compiler cannot see through, made after the last value the backward computed before it."""
+
+    def __init__(self, em: _Emitter, names: dict[Value, str]) -> None:
+        self.em, self.names = em, names
+        self.after: str | None = None            # the backward's latest value
+        self.fenced: dict[Value, str] = {}       # this run's fenced activations
+
+    def lines_for(self, op: Op) -> list[str]:
+        """The fences ``op`` needs first (names of fenced values swapped in meanwhile)."""
+        if op.recomputes is None:
+            if op.kind is OpKind.CALL and any(v.is_tensor for v in op.outputs):
+                self.after = self.names[next(v for v in op.outputs if v.is_tensor)]
+                self.fenced = {}
+            return []
+        lines = []
+        for v in op.inputs:
+            producer = v.producer
+            if (self.after is None or v in self.fenced or not v.is_tensor or producer is None
+                    or producer.kind is not OpKind.CALL or producer.recomputes is not None):
+                continue
+            self.fenced[v] = f"{self.names[v]}_fenced"
+            lines.append(f"{self.fenced[v]} = {self.em.constant(fence)}({self.names[v]}, "
+                         f"{self.after})")
+        return lines
+
+    def names_of(self, op: Op) -> Mapping[Value, str]:
+        return ChainMap(self.fenced, self.names) if op.recomputes is not None else self.names
+
+
 def _sets_generator_for_next(ops: list[Op], i: int, end: int) -> bool:
     """Whether op ``i`` sets the generator's state for the random op right after it."""
     return (ops[i].kind is OpKind.CALL and ops[i].target == "autopar.set_rng_state"
@@ -236,13 +282,19 @@ def _segment(ops: list[Op], begin: int, end: int, fname: str, carries: bool, em:
     read = sorted({v for op in ops[begin:end] for v in op.inputs if v in made},
                   key=lambda v: int(names[v][1:]))
     lines += [f"    {names[v]} = carried[{names[v]!r}]" for v in read]
+    fences = _Fences(em, names) if em.traceable else None
     i = begin
     while i < end:
         stop = min(_batch_run(ops, i), end)
         if em.traceable and _sets_generator_for_next(ops, i, end):
             # Dynamo cannot trace setting the generator: the draw takes the state instead
             stop = i + 2
-            line = _emit_op(ops[i + 1], em, names, comm, rng_state=names[ops[i].args[0]])
+            lines += ["    " + line for line in fences.lines_for(ops[i + 1])]
+            line = _emit_op(ops[i + 1], em, fences.names_of(ops[i + 1]), comm,
+                            rng_state=names[ops[i].args[0]])
+        elif fences is not None and stop - i == 1:
+            lines += ["    " + line for line in fences.lines_for(ops[i])]
+            line = _emit_op(ops[i], em, fences.names_of(ops[i]), comm)
         else:
             line = (_emit_batched(ops[i:stop], em, names) if stop - i > 1
                     else _emit_op(ops[i], em, names, comm))
