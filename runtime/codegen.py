@@ -131,7 +131,8 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
         return "return (" + "".join(n + ", " for n in [names[v] for v in op.args] + em.sent) + ")"
     args = [em.literal(a, names) for a in op.args]
     args += [f"{k}={em.literal(v, names)}" for k, v in op.kwargs.items()]
-    call = f"{em.kernel(op.target)}({', '.join(args)})"
+    target = _TRACED_AS.get(op.target, op.target) if em.traceable else op.target
+    call = f"{em.kernel(target)}({', '.join(args)})"
     if rng_state is not None:        # drawn from a given generator state (a traced program)
         call = (f"{em.constant(run_with_rng_state)}({rng_state}, "
                 f"{em.kernel(functional_target(op.target))}, {', '.join(args)})"
@@ -142,6 +143,13 @@ def _emit_op(op: Op, em: _Emitter, names: dict[Value, str],
     if op.attrs.get(MULTI) and len(op.outputs) == 1:
         lhs += ","
     return f"{lhs} = {call}"
+
+
+# a traced program's views reshape instead: the compiler may lay a tensor out otherwise than
+# eager does (a decomposed attention's backward), where a view of it would fail; reshape is
+# the same view wherever eager's layout allows one
+_TRACED_AS = {"aten.view.default": "aten.reshape.default",
+              "aten._unsafe_view.default": "aten.reshape.default"}
 
 
 def _emit_outside(op: Op, outside: Outside, em: _Emitter, names: dict[Value, str]) -> str:

@@ -1,12 +1,14 @@
-"""Compiled programs (``compile:``, runtime/compiled.py): a process's program through
+"""Compiled programs (``compile:``, runtime/compiled.py): every program through
 ``torch.compile`` (Inductor), forward, backward and optimizer update as one graph.
 
 Parity is judged against what torch.compile itself does to the same model, measured in the
 same test: an eager training loop, and the same loop with its step under ``torch.compile``;
 compiled autopar must stay within twice torch.compile's own deviation from eager (losses and
-parameters; at least fp32's epsilon). So far a process's own program without collectives is
-compiled (serial plans, gradient merge's pair, evaluate and predict); the rest is refused
-by name, or with ``fallback: eager`` run uncompiled with a warning.
+parameters; at least a few fp32 ulps). Serial steps (our GPT and MLP, a CNN with BatchNorm,
+HF Llama, HF GPT-2 with dict inputs), gradient merge, evaluate and predict, recompute with
+dropout in process; dp, tp with sequence parallelism, ZeRO-3, 1F1B, recompute and amp O1 on
+two real gloo ranks; the overlap of collectives in Inductor's code; refusals that name the
+op; the compile cache directory.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 COMPILE = {"compile": {"enable": True}}
 EPS = torch.finfo(torch.float32).eps
+# the least deviation any bound allows: a few float32 ulps (torch.compile may match eager
+# exactly on one CPU and by one ulp on another)
+FLOOR = 4 * EPS
 
 
 def _mlp():
@@ -104,7 +109,7 @@ def test_compiled_steps_deviate_from_eager_as_torch_compile_does(case, capsys):
               f"{theirs[1]:.2e}; compiled autopar {ours[0]:.2e}, {ours[1]:.2e}; compile "
               f"{sum(engine.history['compile_s']):.1f} s")
     for mine, torchs in zip(ours, theirs):
-        assert mine <= max(2 * torchs, EPS)
+        assert mine <= max(2 * torchs, FLOOR)
     assert 1 <= len(engine.history["compile_s"]) <= 2
     # engine.cost says what the step's compiling took (None for a step not run yet)
     x, y = (torch.stack(t) for t in zip(*data[:4]))
@@ -124,7 +129,7 @@ def test_gradient_merge_evaluate_and_predict_run_compiled():
     theirs = _deviation(*_eager(make, loss_fn, data, True), *_eager(make, loss_fn, data, False))
     ours = _deviation(got, engine.model, want, plain.model)
     for mine, torchs in zip(ours, theirs):
-        assert mine <= max(2 * torchs, EPS)
+        assert mine <= max(2 * torchs, FLOOR)
     for mode in ("evaluate", "predict"):
         done = len(engine.history["compile_s"])
         assert getattr(engine, mode)(data[:8], batch_size=4)
@@ -146,7 +151,7 @@ def test_compiled_programs_on_real_ranks_train_as_uncompiled_ones(capsys):
     all-gather), ZeRO-3 (prefetched gathers, early reduce-scatters), 1F1B (job programs,
     messages between them, the post job in segments), recompute and bf16 amp on two gloo
     ranks: compiled within twice torch.compile's own deviation from eager on the same model
-    (measured here, at least fp32's epsilon; amp O1: of the eager loop under bf16
+    (measured here, at least a few fp32 ulps; amp O1: of the eager loop under bf16
     autocast)."""
     plain = run_ranks("train_compiled", 2, "6", "4", "0", *REAL_RANKS, timeout=600)
     compiled = run_ranks("train_compiled", 2, "6", "4", "1", *REAL_RANKS, timeout=600)
@@ -159,7 +164,7 @@ def test_compiled_programs_on_real_ranks_train_as_uncompiled_ones(capsys):
             *_eager(make, lm_loss, data, compiled=False, autocast=autocast))
     for run in REAL_RANKS:
         config, dropout, *amp = run.split(":")
-        bound = [max(2 * t, EPS) for t in theirs[float(dropout), bool(amp)]]
+        bound = [max(2 * t, FLOOR) for t in theirs[float(dropout), bool(amp)]]
         for rank in range(2):
             got, want = compiled[rank][run], plain[rank][run]
             assert 1 <= len(got["compile_s"]) <= 2 and not want["compile_s"], run
@@ -229,7 +234,7 @@ def test_recompute_with_dropout_compiles_and_redraws_its_masks(capsys):
         print(f"\nrecompute: compiled vs uncompiled {ours[0]:.1e}, {ours[1]:.1e}; "
               f"torch.compile vs eager {theirs[0]:.1e}, {theirs[1]:.1e}")
     for mine, torchs in zip(ours, theirs):
-        assert mine <= max(2 * torchs, EPS)
+        assert mine <= max(2 * torchs, FLOOR)
 
 
 def test_compiled_graphs_go_to_the_cache_dir(tmp_path, monkeypatch):
@@ -291,3 +296,82 @@ def test_compiled_code_keeps_the_overlap_the_passes_placed(tmp_path):
         [code] = folder.glob("[0-9][0-9]_compiled_program.py")
         planned, compiled = _ir_overlaps(program.read_text()), _compiled_overlaps(code.read_text())
         assert planned >= 4 and compiled >= planned, (rank, planned, compiled)
+
+
+def _cnn():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _hf(kind: str):
+    from . import models_zoo as zoo
+    torch.manual_seed(0)
+    model = (zoo.hf_llama if kind == "llama" else zoo.hf_gpt2)("sdpa", 64).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _third_party(name: str):
+    """(make, loss_fn, samples, eager loss of a batch): a CNN with BatchNorm (running
+    statistics updated in place), HF Llama and HF GPT-2 (dict inputs, their own loss)."""
+    g = torch.Generator().manual_seed(1)
+    if name == "cnn":
+        samples = [(torch.randn(3, 8, 8, generator=g), torch.randint(0, 10, (), generator=g))
+                   for _ in range(16)]
+        return _cnn, F.cross_entropy, samples, lambda m, x, y: F.cross_entropy(m(x), y)
+    ids = torch.randint(0, 64, (16, 16), generator=g)
+    samples = [({"input_ids": row}, row) for row in ids]
+    return (lambda: _hf(name)), None, samples, \
+        lambda m, x, y: m(input_ids=x["input_ids"], labels=y).loss
+
+
+def _third_party_eager(name: str, compiled: bool) -> tuple[list[float], torch.nn.Module]:
+    make, _, samples, loss_of = _third_party(name)
+    model, optimizer = make()
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = loss_of(model, x, y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    run = torch.compile(step, options={"fallback_random": True}) if compiled else step
+    losses = []
+    for i in range(0, len(samples), 4):
+        xs, ys = zip(*samples[i:i + 4])
+        x = ({k: torch.stack([s[k] for s in xs]) for k in xs[0]} if isinstance(xs[0], dict)
+             else torch.stack(xs))
+        torch.manual_seed(i // 4)
+        losses.append(run(x, torch.stack(ys)).item())
+    return losses, model
+
+
+def _with_buffers(deviation: tuple[float, float], model, want) -> tuple[float, float]:
+    """``deviation`` with the floating buffers (BatchNorm's running statistics) counted."""
+    buffers = [((b - w).norm() / w.norm()).item() for b, w in
+               zip(model.buffers(), want.buffers()) if b.is_floating_point() and w.norm() > 0]
+    return deviation[0], max([deviation[1], *buffers])
+
+
+@pytest.mark.parametrize("name", ["cnn", "llama", "gpt2"])
+def test_third_party_models_compile_as_torch_compile_does(name, capsys):
+    if name != "cnn":
+        pytest.importorskip("transformers")
+    make, loss_fn, samples, _ = _third_party(name)
+    want = _third_party_eager(name, compiled=False)
+    theirs_run = _third_party_eager(name, compiled=True)
+    theirs = _with_buffers(_deviation(*theirs_run, *want), theirs_run[1], want[1])
+    model, optimizer = make()
+    engine = ap.Engine(model, loss_fn, optimizer, strategy=ap.Strategy(**COMPILE))
+    losses = engine.fit(samples, batch_size=4, verbose=0)["loss"]
+    ours = _with_buffers(_deviation(losses, model, *want), model, want[1])
+    with capsys.disabled():
+        print(f"\n{name}: deviation from eager (loss, params+buffers): torch.compile "
+              f"{theirs[0]:.1e}, {theirs[1]:.1e}; compiled autopar {ours[0]:.1e}, {ours[1]:.1e}")
+    for mine, torchs in zip(ours, theirs):
+        assert mine <= max(2 * torchs, FLOOR)
+    # once; SGD's momentum buffers start as None, so its first step is a program of its own
+    assert len(engine.history["compile_s"]) == (2 if name == "cnn" else 1)
