@@ -27,14 +27,17 @@ golden: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) bench/serial.py
-	$(PY) bench/compile.py
+	$(PY) bench/compile.py --memory
 	$(PY) bench/plan.py
 	$(PY) bench/dp_vs_ddp.py
+	$(PY) bench/dp_vs_ddp.py --compile
 	$(PY) bench/tp_vs_dtensor.py
+	$(PY) bench/tp_vs_dtensor.py --compile
 	$(PY) bench/pp_vs_pipelining.py
 	$(PY) bench/pp_memory.py
 	$(PY) bench/zero_memory.py
 	$(PY) bench/zero_vs_fsdp2.py
+	$(PY) bench/zero_vs_fsdp2.py --compile
 	$(PY) bench/memory_estimate.py
 	$(PY) bench/recompute.py
 	$(PY) bench/amp.py

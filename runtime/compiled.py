@@ -1,5 +1,6 @@
-"""A rank program's generated function through ``torch.compile`` (``compile:`` in the
-strategy, ``lower.executable.CompileSpec``).
+"""A program's generated function through ``torch.compile`` (``compile:`` in the strategy,
+``lower.executable.CompileSpec``): the serial step, a rank's program, a pipeline job's (or
+segment's, ``pipeline_process``).
 
 The generated function (``codegen.generate(traceable=True)``) calls each op's ``OpOverload``
 and the optimizer kernels' torch.optim functional code, so Dynamo captures the whole step,
@@ -8,7 +9,9 @@ when a guard fails, e.g. a learning rate that moves: the second value makes it d
 the time it takes is counted (``CompiledStep.compile_s``) for the engine to report.
 
 Random ops keep drawing what they draw uncompiled: Inductor runs them as the ATen kernels
-on the generator the runtime forked for the step (``fallback_random``), in program order.
+on the generator the runtime forked for the step (``fallback_random``), in program order
+(where the program sets the generator, the draw takes the state: ``codegen``). A program
+that communicates keeps its collectives where the passes put them (``in_program_order``).
 
 With ``debug.dump_dir``, the code Inductor made for each program (every graph it compiled,
 in order) is written next to the program's dump (``NN_compiled_program.py``, one per
