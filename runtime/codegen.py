@@ -96,6 +96,12 @@ def _last_uses(program: Program) -> dict[Value, int]:
     return last
 
 
+def dying_after(program: Program) -> dict[int, list[Value]]:
+    """Values by the index of the op after which the generated code frees them (the
+    program's results live on): what ``runtime.memory_meter`` mirrors."""
+    return _dying(_last_uses(program), set(program.output_op.inputs))
+
+
 def _dying(last: dict[Value, int], kept: set[Value]) -> dict[int, list[Value]]:
     """Values by the index of the op after which they die (``kept`` never die inside)."""
     dying: dict[int, list[Value]] = {}

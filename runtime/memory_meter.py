@@ -34,7 +34,7 @@ from ..ir.attrs import MULTI, NAME, STATE, StateKind
 from ..lower.executable import Lowered, PipelineProcess
 from ..lower.memory_estimate import STATE_CATEGORIES
 from ..pipeline.phases import Phase
-from .codegen import _last_uses as last_uses  # where generated code frees values
+from .codegen import dying_after  # where generated code frees values
 from .collectives import bind
 from .executor import ProgramExecutor
 from .job_store import RankStore, cut_feeds
@@ -95,7 +95,7 @@ class _Process:
     def start(self, program: Program | None) -> None:
         """A new program (a pipeline job) begins: nothing of the last one is live."""
         self.program = program
-        self.dying = last_uses(program) if program is not None else {}
+        self.dying = dying_after(program) if program is not None else {}
         self.live: dict[Value, torch.Tensor] = {}
         self.handles: dict[Value, list[torch.Tensor]] = {}    # a started collective's buffers
 
