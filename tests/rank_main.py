@@ -175,20 +175,25 @@ def train_meta(layout: str, steps: str) -> dict:
 def train_merge(steps: str) -> dict:
     """The SGD GPT on ``configs/dp_merge.yaml`` (k = 4), a batch of 2 at a time: each
     batch's loss and how many elements this process all-reduced during it."""
-    import torch.distributed as dist
-
     from autopar.models.gpt import lm_loss
+    from autopar.runtime import collectives
     model = parity_gpt("sgd")
     optimizer, _ = gpt_optimizer("sgd", model)
     strategy = ap.Strategy.from_yaml(ROOT / "configs" / "dp_merge.yaml")
     engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy)
-    counted, all_reduce = [0], dist.all_reduce
+    counted, functional = [0], collectives.FUNCTIONAL
 
-    def counting(tensor, *args, **kwargs):
-        counted[0] += tensor.numel()
-        return all_reduce(tensor, *args, **kwargs)
+    class Counting:
+        """The functional collectives, all-reduced elements counted."""
 
-    dist.all_reduce = counting
+        def __getattr__(self, name):
+            return getattr(functional, name)
+
+        def all_reduce(self, tensor, *args):
+            counted[0] += tensor.numel()
+            return functional.all_reduce(tensor, *args)
+
+    collectives.FUNCTIONAL = Counting()
     losses, reduced = [], []
     data = lm_data(int(steps) * 4 * 2, 16, 64)
     for i in range(0, len(data), 2):
@@ -196,7 +201,7 @@ def train_merge(steps: str) -> dict:
         counted[0] = 0
         losses.append(engine.train_step(x, y))
         reduced.append(counted[0])
-    dist.all_reduce = all_reduce
+    collectives.FUNCTIONAL = functional
     return {"loss": losses, "reduced": reduced, "state": engine.state_dict()}
 
 
