@@ -41,10 +41,10 @@ def _mlp():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), None
 
 
-def _gpt(dropout: float = 0.1):
+def _gpt(dropout: float = 0.1, scheduled: bool = True):
     model = parity_gpt("adamw", layers=1, dropout=dropout)
     optimizer, scheduler = gpt_optimizer("adamw", model)
-    return model, optimizer, scheduler
+    return model, optimizer, scheduler if scheduled else None
 
 
 CASES = {"mlp": (_mlp, F.mse_loss, lambda: [(torch.randn(16), torch.randn(8))
@@ -158,7 +158,7 @@ def test_compiled_programs_on_real_ranks_train_as_uncompiled_ones(capsys):
     data = lm_data(24, 16, 64)
     theirs = {}
     for dropout, autocast in ((0.0, False), (0.1, False), (0.0, True)):
-        make = lambda: _gpt(dropout)  # noqa: E731
+        make = lambda: _gpt(dropout, scheduled=False)  # noqa: E731  (as the ranks train)
         theirs[dropout, autocast] = _deviation(
             *_eager(make, lm_loss, data, compiled=True, autocast=autocast),
             *_eager(make, lm_loss, data, compiled=False, autocast=autocast))
@@ -167,7 +167,7 @@ def test_compiled_programs_on_real_ranks_train_as_uncompiled_ones(capsys):
         bound = [max(2 * t, FLOOR) for t in theirs[float(dropout), bool(amp)]]
         for rank in range(2):
             got, want = compiled[rank][run], plain[rank][run]
-            assert 1 <= len(got["compile_s"]) <= 2 and not want["compile_s"], run
+            assert len(got["compile_s"]) == 1 and not want["compile_s"], run
             loss = max(abs(a - b) / abs(b) for a, b in zip(got["loss"], want["loss"]))
             assert loss <= bound[0], (run, rank, loss, bound)
             params = _state_deviation(got["state"], want["state"])
