@@ -52,17 +52,19 @@ CASES = {"mlp": (_mlp, F.mse_loss, lambda: [(torch.randn(16), torch.randn(8))
          "gpt": (_gpt, lm_loss, lambda: lm_data(32, 16, 64))}
 
 
-def _eager(make, loss_fn, data, compiled: bool, autocast: bool = False
-           ) -> tuple[list[float], torch.nn.Module]:
-    """The eager loop, its step under torch.compile when ``compiled`` (random ops drawn
-    as eager draws them, as autopar's compiled programs draw them); its forward under bf16
-    autocast when ``autocast``."""
+def _eager(make, loss_fn, data, compiled: bool, autocast: bool = False,
+           loss_of=None) -> tuple[list[float], torch.nn.Module]:
+    """The eager loop over batches of 4 samples (dict inputs stacked key by key), its step
+    under torch.compile when ``compiled`` (random ops drawn as eager draws them, as
+    autopar's compiled programs draw them); its forward under bf16 autocast when
+    ``autocast``. ``loss_of(model, x, y)``: a model that computes its own loss."""
     model, optimizer, scheduler = make()
+    loss_of = loss_of or (lambda m, x, y: loss_fn(m(x), y))
 
     def step(x, y):
         optimizer.zero_grad()
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            loss = loss_fn(model(x), y)
+            loss = loss_of(model, x, y)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -70,9 +72,11 @@ def _eager(make, loss_fn, data, compiled: bool, autocast: bool = False
     run = torch.compile(step, options={"fallback_random": True}) if compiled else step
     losses = []
     for i in range(0, len(data), 4):
-        x, y = (torch.stack(t) for t in zip(*data[i:i + 4]))
+        xs, ys = zip(*data[i:i + 4])
+        x = ({k: torch.stack([s[k] for s in xs]) for k in xs[0]} if isinstance(xs[0], dict)
+             else torch.stack(xs))
         torch.manual_seed(i // 4)          # the engine's stream for batch i
-        losses.append(run(x, y).item())
+        losses.append(run(x, torch.stack(ys)).item())
         if scheduler is not None:
             scheduler.step()
     return losses, model
@@ -328,25 +332,8 @@ def _third_party(name: str):
 
 
 def _third_party_eager(name: str, compiled: bool) -> tuple[list[float], torch.nn.Module]:
-    make, _, samples, loss_of = _third_party(name)
-    model, optimizer = make()
-
-    def step(x, y):
-        optimizer.zero_grad()
-        loss = loss_of(model, x, y)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    run = torch.compile(step, options={"fallback_random": True}) if compiled else step
-    losses = []
-    for i in range(0, len(samples), 4):
-        xs, ys = zip(*samples[i:i + 4])
-        x = ({k: torch.stack([s[k] for s in xs]) for k in xs[0]} if isinstance(xs[0], dict)
-             else torch.stack(xs))
-        torch.manual_seed(i // 4)
-        losses.append(run(x, torch.stack(ys)).item())
-    return losses, model
+    make, loss_fn, samples, loss_of = _third_party(name)
+    return _eager(lambda: (*make(), None), loss_fn, samples, compiled, loss_of=loss_of)
 
 
 def _with_buffers(deviation: tuple[float, float], model, want) -> tuple[float, float]:
