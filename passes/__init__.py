@@ -22,8 +22,8 @@ rank's program from the result.
     reshard                                      communication where placements differ
     recompute                                    activations recomputed for the backward
     bucket_collectives, join_gradients           fewer, larger, asynchronous collectives
-    regather_for_backward, prefetch_gathers,     ZeRO-3's gathers and early reduce-scatters
-      scatter_gradients_early
+    regather_for_backward, prefetch_gathers,     ZeRO's gathers and early reduce-scatters
+      scatter_gradients_early, gather_updates
     assign_phases, schedule_pipeline             a pipeline's phases and job order
 """
 from ..ir import Program
@@ -39,6 +39,7 @@ from .decompose_loss import decompose_loss
 from .expert_parallel import expert_parallel
 from .fold_noops import fold_noops
 from .functionalize_writes import functionalize_writes
+from .gather_updates import gather_updates
 from .gradient_reduce_dtype import format_casts, gradient_reduce_dtype
 from .join_gradients import join_gradients
 from .merge_gradients import merge_gradients
@@ -109,6 +110,7 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("prefetch_gathers", prefetch_gathers, needs=(F.RESHARDED,), implements=ZERO),
     _pass("scatter_gradients_early", scatter_gradients_early, needs=(F.RESHARDED,),
           implements=ZERO),
+    _pass("gather_updates", gather_updates, needs=(F.RESHARDED,), implements=ZERO),
     _pass("join_gradients", join_gradients, needs=(F.RESHARDED, F.STAGES)),
     _pass("assign_phases", assign_phases, needs=(F.RESHARDED, F.STAGES), makes=(F.PHASES,),
           implements=PIPE),

@@ -23,6 +23,7 @@ not change. Pipelines keep their gathers: there they run once a step, before the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT, MULTI
@@ -32,19 +33,22 @@ from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import AllGather
 from .zero_sharding import parameter_of, scheduled_axis
 
-__all__ = ["prefetch_gathers"]
+__all__ = ["prefetch_gathers", "GatherUnit", "gather_units", "unit_collective"]
 
 HANDLE = OpaqueType("!comm.handle")
 KIB = 1 << 10
 
 
 @dataclass
-class _Unit:
+class GatherUnit:
+    """Consecutive all-gathers that travel as one collective (``gather_units``)."""
+
     gathers: list[Op] = field(default_factory=list)
 
-    def key(self, by_layer: bool) -> tuple:
+    def key(self, by_layer: bool, module_of: Callable[[Op], str | None]) -> tuple:
         first = self.gathers[0]
-        where = layer_of(first.module) if by_layer else first.module
+        module = module_of(first)
+        where = layer_of(module) if by_layer else module
         return where, first.args[0].type.dtype, first.attrs.get(FOR_ROLE)
 
 
@@ -65,8 +69,8 @@ def prefetch_gathers(program: Program, ctx: PassContext) -> Program:
     axis = scheduled_axis(ctx, 3)
     if axis is None:
         return program
-    units = _units([op for op in program.ops if _is_parameter_gather(op, axis)],
-                   by_layer=ctx.strategy.sharding.unit == "layer")
+    units = gather_units([op for op in program.ops if _is_parameter_gather(op, axis)],
+                         by_layer=ctx.strategy.sharding.unit == "layer")
     if units:
         program.ops = _rewrite(program.ops, units)
     return program
@@ -82,17 +86,23 @@ def _is_parameter_gather(op: Op, axis: int) -> bool:
             and parameter_of(op.args[0]) is not None)
 
 
-def _units(gathers: list[Op], by_layer: bool) -> list[_Unit]:
-    units: list[_Unit] = []
+def gather_units(gathers: list[Op], by_layer: bool,
+                 module_of: Callable[[Op], str | None] = lambda op: op.module
+                 ) -> list[GatherUnit]:
+    """``gathers`` (in program order) cut into units: consecutive ones of one layer
+    (``layer_of``; ``by_layer`` False: of one module; ``module_of`` a gather's module),
+    one dtype and one role."""
+    units: list[GatherUnit] = []
     for op in gathers:
-        if units and _Unit([op]).key(by_layer) == units[-1].key(by_layer):
+        if units and (GatherUnit([op]).key(by_layer, module_of)
+                      == units[-1].key(by_layer, module_of)):
             units[-1].gathers.append(op)
         else:
-            units.append(_Unit([op]))
+            units.append(GatherUnit([op]))
     return units
 
 
-def _rewrite(ops: list[Op], units: list[_Unit]) -> list[Op]:
+def _rewrite(ops: list[Op], units: list[GatherUnit]) -> list[Op]:
     position = {op: i for i, op in enumerate(ops)}
     before: dict[int, list[Op]] = {}    # ops to place right before position i
     after: dict[int, list[Op]] = {}     # ops to place right after position i
@@ -117,15 +127,25 @@ def _rewrite(ops: list[Op], units: list[_Unit]) -> list[Op]:
     return out
 
 
-def _pair(unit: _Unit, number: int) -> tuple[Op, Op]:
+def _pair(unit: GatherUnit, number: int) -> tuple[Op, Op]:
+    role = unit.gathers[0].attrs.get(FOR_ROLE, Role.FORWARD)
+    return unit_collective(unit, f"prefetch {number}",
+                           f"zero-3 gather of {{names}} for {role.name.lower()}")
+
+
+def unit_collective(unit: GatherUnit, label: str, what: str,
+                    name_of: Callable[[Value], str | None] = parameter_of) -> tuple[Op, Op]:
+    """The unit's gathers as one asynchronous collective: its start (over the pieces
+    flattened) and its wait (which makes the old gathers' results, so readers do not
+    change). ``label`` names the pair in dumps; ``what`` says what it moves (``{names}``:
+    the parameters', ``name_of`` each gathered value's)."""
     gathers = unit.gathers
     inputs = tuple(g.args[0] for g in gathers)
     role = gathers[0].attrs.get(FOR_ROLE, Role.FORWARD)
     size = sum(g.result.type.numel * g.result.type.dtype.itemsize for g in gathers)
-    names = ", ".join(_source_name(g) for g in gathers)
+    names = ", ".join(str(name_of(g.args[0])) for g in gathers)
     step = gathers[0].attrs[RESHARD_STEP]
-    text = (f"prefetch {number}: zero-3 gather of {names} for {role.name.lower()}, "
-            f"{size / KIB:.1f} KiB, {step}")
+    text = f"{label}: {what.format(names=names)}, {size / KIB:.1f} KiB, {step}"
     handle = Value(HANDLE)
     start = Op(OpKind.COMM, "comm.all_gather_start", inputs, outputs=[handle], role=Role.COMM,
                module=gathers[0].module,
@@ -136,11 +156,8 @@ def _pair(unit: _Unit, number: int) -> tuple[Op, Op]:
     results = [g.result for g in gathers]
     wait = Op(OpKind.COMM, "comm.wait", (handle,), outputs=results, role=Role.COMM,
               module=gathers[0].module,
-              attrs={COMM_TEXT: f"prefetch {number}", MULTI: True, FOR_ROLE: role})
+              attrs={COMM_TEXT: label, MULTI: True, FOR_ROLE: role})
     for index, v in enumerate(results):
         v.producer, v.index = wait, index
     return start, wait
 
-
-def _source_name(gather: Op) -> str:
-    return parameter_of(gather.args[0])

@@ -1,6 +1,7 @@
-"""ZeRO stages 2 and 3: reduce-scatter gradients as soon as the backward has made them, a
+"""ZeRO stages 1, 2 and 3: reduce-scatter gradients as soon as the backward has made them, a
 unit at a time and asynchronously, so no whole gradient waits for the optimizer (FSDP's
-post-backward reduce-scatter).
+post-backward reduce-scatter; stage 1 plans the same reduce-scatters as stage 2,
+``zero_sharding``).
 
 Reshard puts the reduce-scatter that takes a ``Partial`` gradient to the piece its update
 writes just before that update, after the whole backward: every layer's whole gradient is
@@ -41,7 +42,7 @@ BUCKETED_OPS = ("sum", "avg")
 
 
 def scatter_gradients_early(program: Program, ctx: PassContext) -> Program:
-    axis = scheduled_axis(ctx, 2)
+    axis = scheduled_axis(ctx, 1)
     if axis is None:
         return program
     after: dict[Op, list[Op]] = {}      # the op that makes a gradient -> its scatters

@@ -202,20 +202,25 @@ def _planned(stage: int, dp: int):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gradients_are_reduce_scattered_and_parameters_all_gathered(stage):
-    """Per parameter: its gradient reduce-scattered to the rank's piece (stage 2: a layer's
-    gradients as one asynchronous collective, right after the backward makes them), one
-    all-gather of the updated piece back to the replicated parameter; no gradient is
+    """Per parameter: its gradient reduce-scattered to the rank's piece (a layer's gradients
+    as one asynchronous collective, right after the backward makes them), the updated
+    piece all-gathered back to the replicated parameter (a layer's pieces as one
+    asynchronous collective, started right after its last update); no gradient is
     all-reduced (the one all-reduce is the loss)."""
     model, program = _planned(stage, 4)
     comms = [op for op in program.ops if op.target.startswith("comm.")]
-    scattered = sum(len(op.args) for op in comms
-                    if op.target in ("comm.reduce_scatter", "comm.reduce_scatter_start"))
-    count = {t: sum(op.target == t for op in comms)
-             for t in ("comm.all_gather", "comm.all_reduce_start")}
+    moved = {t: sum(len(op.args) for op in comms if op.target == t)
+             for t in ("comm.reduce_scatter_start", "comm.all_gather_start")}
     params = len(list(model.parameters()))
-    assert scattered == params
-    assert count == {"comm.all_gather": params, "comm.all_reduce_start": 1}
-    assert any(op.target == "comm.reduce_scatter_start" for op in comms) == (stage == 2)
+    assert moved == {"comm.reduce_scatter_start": params, "comm.all_gather_start": params}
+    assert [op.target for op in comms if op.target.startswith("comm.all_reduce")] == \
+        ["comm.all_reduce_start"]
+    assert not any(op.target in ("comm.all_gather", "comm.reduce_scatter") for op in comms)
+    position = {op: i for i, op in enumerate(program.ops)}
+    for start in (op for op in comms if op.target == "comm.all_gather_start"):
+        updates = [v.producer for v in start.args]
+        assert all(u.target.startswith("optim.") for u in updates)
+        assert position[start] == max(position[u] for u in updates) + 1
     assert all(op.role.value == "comm" for op in comms)
 
 
