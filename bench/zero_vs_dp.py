@@ -48,12 +48,13 @@ def rank_main(args: argparse.Namespace) -> None:
     model = GPT(cfg)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
-    steps = {}
+    steps, engines = {}, {}
     for name, stage in (("dp", 0), ("ZeRO-1", 1), ("ZeRO-2", 2)):
         mine = copy.deepcopy(model)
         engine = ap.Engine(mine, lm_loss, torch.optim.AdamW(mine.parameters(), lr=1e-3),
                            strategy=compiled_strategy(strategy(stage), args.compile))
         steps[name] = lambda engine=engine: engine.train_step(x, y)
+        engines[name] = engine
     for step in range(CHECKED_STEPS):
         losses = {name: fn() for name, fn in steps.items()}
         if not all(abs(v - losses["dp"]) <= 1e-5 * abs(losses["dp"]) + 1e-6
@@ -66,6 +67,9 @@ def rank_main(args: argparse.Namespace) -> None:
               + (", compiled" if args.compile else ""))
         report({"ZeRO-1": times["ZeRO-1"], "dp": times["dp"]}, "ZeRO-1", "dp")
         report({"ZeRO-2": times["ZeRO-2"], "dp": times["dp"]}, "ZeRO-2", "dp")
+    if args.profile:
+        from profile_step import profile_pair
+        profile_pair(engines["ZeRO-1"], steps["ZeRO-1"], "dp", steps["dp"], rank)
     finish()
 
 

@@ -37,7 +37,7 @@ EARLY = 8                # ops between a value and its first reader that make wa
 
 
 def bucket_collectives(program: Program, ctx: PassContext) -> Program:
-    cap = _bucket_bytes(ctx)
+    cap = bucket_bytes(ctx)
     if ctx.state.mesh is None or cap == 0:
         return program
     position = {op: i for i, op in enumerate(program.ops)}
@@ -53,7 +53,8 @@ def bucket_collectives(program: Program, ctx: PassContext) -> Program:
     return program
 
 
-def _bucket_bytes(ctx: PassContext) -> float:
+def bucket_bytes(ctx: PassContext) -> float:
+    """``data_parallel.bucket_mb`` in bytes (25 MiB without the section: DDP's)."""
     dp = ctx.strategy.data_parallel
     return (dp.bucket_mb if dp is not None else 25.0) * MIB
 

@@ -5,8 +5,9 @@ all-gather after the sharded step).
 Each rank updates its piece of every parameter; reshard then all-gathers each new piece
 back to the whole (replicated) parameter, one synchronous collective per parameter, all
 after the last update. Per-collective latency, not bytes, dominates small parameters, so
-here consecutive gathers of a layer (``sharding.unit``, as ``prefetch_gathers``) and one
-dtype become one collective over their pieces flattened:
+here consecutive gathers of one dtype become one collective over their pieces flattened,
+layers (``sharding.unit``, as ``prefetch_gathers``) merged up to ``data_parallel.bucket_mb``
+(DDP's bucket size):
 
     %p1, %m1, %v1, %s1 = optim.adam(...)            # the unit's updates
     %h = comm.all_gather_start(%p1, %p2, ...)       # right after the unit's last update
@@ -23,7 +24,8 @@ from ..ir import Op, OpKind, Program, Value
 from ..planning.context import PassContext
 from ..reshard.comm import RESHARD_STEP
 from ..reshard.steps import AllGather
-from .prefetch_gathers import gather_units, unit_collective
+from .bucket_collectives import bucket_bytes
+from .prefetch_gathers import GatherUnit, gather_units, unit_collective
 from .zero_sharding import parameter_of, scheduled_axis
 
 __all__ = ["gather_updates"]
@@ -34,8 +36,9 @@ def gather_updates(program: Program, ctx: PassContext) -> Program:
     if axis is None or ctx.strategy.sharding.stage >= 3:
         return program
     gathers = [op for op in program.ops if _is_update_gather(op, axis)]
-    units = gather_units(gathers, by_layer=ctx.strategy.sharding.unit == "layer",
-                         module_of=lambda g: _updated_parameter(g.args[0]))
+    units = _bucketed(gather_units(gathers, by_layer=ctx.strategy.sharding.unit == "layer",
+                                   module_of=lambda g: _updated_parameter(g.args[0])),
+                      bucket_bytes(ctx))
     position = {op: i for i, op in enumerate(program.ops)}
     after: dict[int, list[Op]] = {}       # starts to place right after position i
     replaced: dict[Op, Op | None] = {}    # a unit's first gather -> its wait; the rest: dropped
@@ -56,6 +59,24 @@ def gather_updates(program: Program, ctx: PassContext) -> Program:
         out += after.get(i, [])
     program.ops = out
     return program
+
+
+def _bucketed(units: list[GatherUnit], limit: float) -> list[GatherUnit]:
+    """Consecutive units of one dtype merged up to ``data_parallel.bucket_mb`` (as DDP's
+    buckets: per-collective latency dominates small layers)."""
+    merged: list[GatherUnit] = []
+    for unit in units:
+        first = unit.gathers[0]
+        if (merged and merged[-1].gathers[0].args[0].type.dtype == first.args[0].type.dtype
+                and _bytes(merged[-1]) + _bytes(unit) <= limit):
+            merged[-1].gathers += unit.gathers
+        else:
+            merged.append(GatherUnit(list(unit.gathers)))
+    return merged
+
+
+def _bytes(unit: GatherUnit) -> int:
+    return sum(g.result.type.numel * g.result.type.dtype.itemsize for g in unit.gathers)
 
 
 def _is_update_gather(op: Op, axis: int) -> bool:
