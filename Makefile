@@ -36,6 +36,7 @@ bench: $(VENV_STAMP)
 	$(PY) bench/pp_vs_pipelining.py
 	$(PY) bench/pp_memory.py
 	$(PY) bench/zero_memory.py
+	$(PY) bench/zero_vs_dp.py
 	$(PY) bench/zero_vs_fsdp2.py
 	$(PY) bench/zero_vs_fsdp2.py --compile
 	$(PY) bench/memory_estimate.py

@@ -69,6 +69,11 @@ def _eager(make, loss_fn, data, compiled: bool, autocast: bool = False,
         optimizer.step()
         return loss.detach()
 
+    if compiled:
+        # every test's loop is this code object: without a reset, Dynamo's recompile limit
+        # would (after a few tests) run it eagerly, and its deviation would read 0
+        torch._dynamo.reset()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     run = torch.compile(step, options={"fallback_random": True}) if compiled else step
     losses = []
     for i in range(0, len(data), 4):
@@ -79,6 +84,7 @@ def _eager(make, loss_fn, data, compiled: bool, autocast: bool = False,
         losses.append(run(x, torch.stack(ys)).item())
         if scheduler is not None:
             scheduler.step()
+    assert not compiled or torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     return losses, model
 
 

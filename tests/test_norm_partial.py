@@ -208,7 +208,8 @@ def _comms(program, target: str) -> list:
 def test_zero_clipping_moves_only_scalar_norms(stage):
     """ZeRO over dp4 with clipping: each gradient is reduce-scattered to its piece, never
     gathered; the clip's norms are P(norm2) up to one all-reduce of a scalar; the updated
-    pieces are all-gathered (stage 2) or stay sharded (stage 3: gathered before use)."""
+    pieces are all-gathered (stage 2: a unit at a time) or stay sharded (stage 3: gathered
+    before use)."""
     model, program = _planned(_mlp, _strategy(stage, 4))
     params = len(list(model.parameters()))
     scattered = _comms(program, "comm.reduce_scatter") + \
@@ -225,8 +226,10 @@ def test_zero_clipping_moves_only_scalar_norms(stage):
              for v in op.args]
     assert not any(v in gradients or v.producer.target == "aten.mul.Tensor" for v in moved)
     if stage == 2:    # the updated pieces, gathered back into the replicated parameters
-        assert len(gathered) == params
-        assert all(op.args[0].producer.target.startswith("optim.") for op in gathered)
+        gathered += _comms(program, "comm.all_gather_start")     # a unit's, as one collective
+        updated = [v for op in gathered for v in op.args]
+        assert len(updated) == params
+        assert all(v.producer.target.startswith("optim.") for v in updated)
     norms = [op for op in program.ops if op.target == "aten.linalg_vector_norm.default"]
     assert len(norms) == params + 1 and all(str(op.result.dist).startswith("{P(norm2)}")
                                              for op in norms)
