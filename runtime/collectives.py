@@ -84,7 +84,12 @@ def _bucket_start(comm: BucketStart, groups: MeshGroups) -> Callable:
 
     def all_reduce_start(*grads: torch.Tensor):
         flat = into(torch.cat([g.reshape(-1) for g in grads]))
-        return FUNCTIONAL.all_reduce(flat, rop, name), sizes, shapes, out_of
+        # uncompiled, in place: the bucket's one flat buffer is reduced where it is (the
+        # functional all_reduce copies it: two buffers until the wait); Inductor, which
+        # refuses the in-place op, reuses the buffer itself
+        reduce = FUNCTIONAL.all_reduce if torch.compiler.is_compiling() else \
+            FUNCTIONAL.all_reduce_
+        return reduce(flat, rop, name), sizes, shapes, out_of
     return all_reduce_start
 
 

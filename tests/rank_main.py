@@ -193,6 +193,10 @@ def train_merge(steps: str) -> dict:
             counted[0] += tensor.numel()
             return functional.all_reduce(tensor, *args)
 
+        def all_reduce_(self, tensor, *args):          # a bucket's, in place
+            counted[0] += tensor.numel()
+            return functional.all_reduce_(tensor, *args)
+
     collectives.FUNCTIONAL = Counting()
     losses, reduced = [], []
     data = lm_data(int(steps) * 4 * 2, 16, 64)
