@@ -91,6 +91,20 @@ def gpt_arguments(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def gpt_and_batch(args: argparse.Namespace, **config) -> tuple:
+    """The distributed benchmarks' GPT (``--layers``, ``--width``, ``--seq``; seed 0;
+    ``config``: more ``GPTConfig`` fields) and one global batch of token ids (inputs,
+    labels) of ``--batch`` rows."""
+    from autopar.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=4,
+                    n_embd=args.width, **config)
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+    y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+    return model, x, y
+
+
 def compiled_strategy(strategy, compile: bool):
     """``strategy`` with ``compile: {enable: true}`` when ``compile``."""
     if not compile:

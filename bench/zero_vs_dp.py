@@ -23,10 +23,19 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ranks import ROOT, compiled_strategy, finish, gpt_arguments, init, main, paired, report  # noqa: E402,E501
+from ranks import (  # noqa: E402,E501
+    ROOT,
+    compiled_strategy,
+    finish,
+    gpt_and_batch,
+    gpt_arguments,
+    init,
+    main,
+    paired,
+    report,
+)
 
 import autopar as ap  # noqa: E402
-from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
 
 CHECKED_STEPS = 3
@@ -42,12 +51,7 @@ def strategy(stage: int) -> ap.Strategy:
 
 def rank_main(args: argparse.Namespace) -> None:
     rank, world = init()
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=4,
-                    n_embd=args.width)
-    model = GPT(cfg)
-    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
-    y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+    model, x, y = gpt_and_batch(args)
     steps, engines = {}, {}
     for name, stage in (("dp", 0), ("ZeRO-1", 1), ("ZeRO-2", 2)):
         mine = copy.deepcopy(model)

@@ -41,6 +41,7 @@ from ranks import (  # noqa: E402
     compiled_strategy,
     finish,
     first_steps,
+    gpt_and_batch,
     gpt_arguments,
     held_state,
     init,
@@ -51,7 +52,7 @@ from ranks import (  # noqa: E402
 )
 
 import autopar as ap  # noqa: E402
-from autopar.models import GPT, GPTConfig  # noqa: E402
+from autopar.models import GPT  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
 
 CHECKED_STEPS = 3
@@ -81,13 +82,8 @@ def fsdp_model(model: GPT, compile: bool = False) -> GPT:
 
 def rank_main(args: argparse.Namespace) -> None:
     rank, world = init()
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=4,
-                    n_embd=args.width)
-    model = GPT(cfg)
+    model, x, y = gpt_and_batch(args)
     eager, theirs = copy.deepcopy(model), fsdp_model(copy.deepcopy(model), args.compile)
-    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
-    y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     rows = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
 
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
