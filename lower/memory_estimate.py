@@ -171,15 +171,16 @@ def _is_state(v: Value) -> bool:
 
 def _buffer_bytes(program: Program) -> dict[Value, int]:
     """Bytes of every value that holds memory: tensors, and a started collective's handle
-    (not a tensor in the IR), held from the start to its ``comm.wait``: the larger of its
-    flat copy of the inputs (a gradient bucket's, a reduce-scatter's) and its buffer of the
-    wait's results (a ZeRO-3 gather's)."""
+    (not a tensor in the IR), held from the start to its ``comm.wait``: its flat copy of the
+    inputs, which the collective reads until the wait, and its output buffer (the size of
+    the wait's results), except for a gradient bucket's all-reduce, done in place."""
     sizes = {v: value_bytes(v) for op in program.ops for v in op.outputs if v.is_tensor}
     for op in program.ops:
         if op.kind is OpKind.COMM and op.target == "comm.wait" and not op.args[0].is_tensor:
             start = op.args[0].producer
-            sizes[op.args[0]] = max(sum(value_bytes(v) for v in start.inputs),
-                                    sum(value_bytes(v) for v in op.outputs))
+            flat = sum(value_bytes(v) for v in start.inputs)
+            out = sum(value_bytes(v) for v in op.outputs)
+            sizes[op.args[0]] = flat if start.target == "comm.all_reduce_start" else flat + out
     return sizes
 
 

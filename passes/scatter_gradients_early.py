@@ -19,7 +19,8 @@ then alive at once at the end of the backward, the peak of a stage-3 step. Here:
        %p1, %p2, ... = comm.wait(%h3)                   # before the next unit's start
 
    so a unit's reduce-scatter travels while the backward computes the next, with at most
-   one in flight (its flat buffer is the memory bound). Norm partials (clipping's) and
+   one in flight (its flat buffer is the memory bound). Stages 1 and 2 merge consecutive
+   units up to ``data_parallel.bucket_mb`` (``_bucketed``). Norm partials (clipping's) and
    single gradients keep their synchronous reduce-scatter.
 
 Pipelines are left alone: there a gradient is summed over micro-batches first, once a step.
@@ -32,6 +33,7 @@ from ..ir.core import OpaqueType
 from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import ReduceScatter
+from .bucket_collectives import bucket_bytes
 from .prefetch_gathers import layer_of
 from .zero_sharding import scheduled_axis
 
@@ -55,8 +57,10 @@ def scatter_gradients_early(program: Program, ctx: PassContext) -> Program:
     program.ops = [new for op in program.ops
                    for new in ([] if op in movers else [op]) + after.get(op, [])]
     by_layer = ctx.strategy.sharding.unit == "layer"
-    units = [u for u in _units([op for op in program.ops if op in movers], by_layer)
-             if len(u) > 1]
+    units = _units([op for op in program.ops if op in movers], by_layer)
+    if ctx.strategy.sharding.stage < 3:
+        units = _bucketed(units, bucket_bytes(ctx), by_layer)
+    units = [u for u in units if len(u) > 1]
     if units:
         program.ops = _rewrite(program, units)
     return program
@@ -89,6 +93,33 @@ def _units(scatters: list[Op], by_layer: bool) -> list[list[Op]]:
         else:
             units.append([op])
     return units
+
+
+def _bucketed(units: list[list[Op]], limit: float, by_layer: bool) -> list[list[Op]]:
+    """Stages 1 and 2: consecutive units of one reduce op and dtype merged up to
+    ``data_parallel.bucket_mb`` (DeepSpeed's reduce bucket; DDP's bucket size): nothing waits
+    for these gradients before the optimizer, so per-collective latency, not the flat
+    buffer, is what small layers cost. Stage 3 keeps one unit per layer (its gradients are
+    freed unit by unit: FSDP's memory bound)."""
+    merged: list[list[Op]] = []
+    for unit in units:
+        kind = _kind(unit[0], by_layer)
+        if (merged and kind is not None and _kind(merged[-1][0], by_layer) == kind
+                and _bytes(merged[-1]) + _bytes(unit) <= limit):
+            merged[-1] += unit
+        else:
+            merged.append(list(unit))
+    return merged
+
+
+def _kind(op: Op, by_layer: bool) -> tuple | None:
+    """A scatter's reduce op and dtype (None: a norm partial, never merged)."""
+    key = _key(op, by_layer)
+    return None if key is None else key[1:]
+
+
+def _bytes(unit: list[Op]) -> int:
+    return sum(op.args[0].type.numel * op.args[0].type.dtype.itemsize for op in unit)
 
 
 def _rewrite(program: Program, units: list[list[Op]]) -> list[Op]:

@@ -121,7 +121,7 @@ def _gather_start(comm: GatherStart, groups: MeshGroups) -> Callable:
     def all_gather_start(*pieces: torch.Tensor):
         flat = torch.cat([p.reshape(-1) for p in pieces]
                          + ([pieces[0].new_zeros(width - mine)] if width > mine else []))
-        return FUNCTIONAL.all_gather_into_tensor(flat, n, name), unpack
+        return FUNCTIONAL.all_gather_into_tensor(flat, n, name), unpack, flat   # as below
     return all_gather_start
 
 
@@ -164,13 +164,15 @@ def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
 
     def reduce_scatter_start(*grads: torch.Tensor):
         flat = torch.cat([part for j in order for part in block(grads, j)])   # one copy
-        return FUNCTIONAL.reduce_scatter_tensor(flat, op, n, name), unpack
+        # the handle holds the flat input too: the collective reads it until the wait
+        # (what the memory estimate counts, and the meter sees)
+        return FUNCTIONAL.reduce_scatter_tensor(flat, op, n, name), unpack, flat
     return reduce_scatter_start
 
 
 def wait_unit(handle) -> tuple[torch.Tensor, ...]:
     """The end of a unit's gather or reduce-scatter: its tensors, unpacked from the buffer."""
-    pending, unpack = handle
+    pending, unpack = handle[:2]
     return unpack(FUNCTIONAL.wait_tensor(pending))
 
 

@@ -60,7 +60,7 @@ def communicate(ops: dict[Coordinate, Any], comm: Comm, envs: dict, mesh) -> Non
     started = isinstance(comm, (BucketStart, GatherStart, ScatterStart))
     if isinstance(comm, (BucketWait, GatherWait, ScatterWait)):
         for c, op in ops.items():
-            for v, x in zip(op.outputs, envs[c][op.args[0]]):
+            for v, x in zip(op.outputs, envs[c][op.args[0]][:len(op.outputs)]):
                 envs[c][v] = x
         return
     steps = comm.steps if started else (comm.step,)
@@ -70,7 +70,13 @@ def communicate(ops: dict[Coordinate, Any], comm: Comm, envs: dict, mesh) -> Non
         for c in ops:
             results[c].append(moved[c])
     for c, op in ops.items():
-        envs[c][op.outputs[0]] = tuple(results[c]) if started else results[c][0]
+        if isinstance(comm, (GatherStart, ScatterStart)):
+            # the runtime's handle holds the unit's flat input until the wait (the
+            # collective reads it) besides its output buffer: the meter counts both
+            flat = torch.cat([envs[c][v].reshape(-1) for v in op.args])
+            envs[c][op.outputs[0]] = (*results[c], flat)
+        else:
+            envs[c][op.outputs[0]] = tuple(results[c]) if started else results[c][0]
 
 
 def _piece(full: Any, value: Value, coordinate: Coordinate) -> Any:
