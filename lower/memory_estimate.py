@@ -173,13 +173,17 @@ def _buffer_bytes(program: Program) -> dict[Value, int]:
     """Bytes of every value that holds memory: tensors, and a started collective's handle
     (not a tensor in the IR), held from the start to its ``comm.wait``: its flat copy of the
     inputs, which the collective reads until the wait, and its output buffer (the size of
-    the wait's results), except for a gradient bucket's all-reduce, done in place."""
+    the wait's results; a reduce-scatter's: the blocks every member sends this one, the
+    input's size on gloo, where it travels as an all-to-all), except for a gradient
+    bucket's all-reduce, done in place."""
     sizes = {v: value_bytes(v) for op in program.ops for v in op.outputs if v.is_tensor}
     for op in program.ops:
         if op.kind is OpKind.COMM and op.target == "comm.wait" and not op.args[0].is_tensor:
             start = op.args[0].producer
             flat = sum(value_bytes(v) for v in start.inputs)
             out = sum(value_bytes(v) for v in op.outputs)
+            if start.target == "comm.reduce_scatter_start":
+                out = flat
             sizes[op.args[0]] = flat if start.target == "comm.all_reduce_start" else flat + out
     return sizes
 

@@ -33,7 +33,7 @@ from ..ir.core import OpaqueType
 from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import ReduceScatter
-from .bucket_collectives import bucket_bytes
+from .bucket_collectives import FIRST_BUCKET, bucket_bytes
 from .prefetch_gathers import layer_of
 from .zero_sharding import scheduled_axis
 
@@ -99,13 +99,15 @@ def _bucketed(units: list[list[Op]], limit: float, by_layer: bool) -> list[list[
     """Stages 1 and 2: consecutive units of one reduce op and dtype merged up to
     ``data_parallel.bucket_mb`` (DeepSpeed's reduce bucket; DDP's bucket size): nothing waits
     for these gradients before the optimizer, so per-collective latency, not the flat
-    buffer, is what small layers cost. Stage 3 keeps one unit per layer (its gradients are
+    buffer, is what small layers cost; the first bucket at most ``FIRST_BUCKET`` (DDP's 1 MiB), so
+    the last layers' gradients leave early. Stage 3 keeps one unit per layer (its gradients are
     freed unit by unit: FSDP's memory bound)."""
     merged: list[list[Op]] = []
     for unit in units:
         kind = _kind(unit[0], by_layer)
+        cap = min(limit, FIRST_BUCKET) if len(merged) == 1 else limit
         if (merged and kind is not None and _kind(merged[-1][0], by_layer) == kind
-                and _bytes(merged[-1]) + _bytes(unit) <= limit):
+                and _bytes(merged[-1]) + _bytes(unit) <= cap):
             merged[-1] += unit
         else:
             merged.append(list(unit))

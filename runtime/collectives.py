@@ -24,9 +24,11 @@ member raises its piece to ``|x|^p``, the collective sums, the result is taken t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..ir.dist import (
     Partial,
@@ -141,10 +143,12 @@ def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
     flat reduce-scatter); ``wait_unit`` ends it and cuts this process's block into its
     pieces."""
     axis, numels, width = _unit_layout(comm, groups)
-    n, name, order = axis.size, axis.group.group_name, axis.order
+    n, order = axis.size, axis.order
     op = _reduce_op(comm.steps[0].op)
+    scatter = _flat_reduce_scatter(axis, op)
 
     def unpack(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = scatter.finish(out)
         results, offset = [], 0
         for step, shapes, sizes in zip(comm.steps, comm.member_shapes, numels):
             mine = shapes[axis.index]
@@ -166,7 +170,7 @@ def _scatter_start(comm: ScatterStart, groups: MeshGroups) -> Callable:
         flat = torch.cat([part for j in order for part in block(grads, j)])   # one copy
         # the handle holds the flat input too: the collective reads it until the wait
         # (what the memory estimate counts, and the meter sees)
-        return FUNCTIONAL.reduce_scatter_tensor(flat, op, n, name), unpack, flat
+        return scatter.start(flat), unpack, flat
     return reduce_scatter_start
 
 
@@ -227,6 +231,45 @@ def _as_norm(collective: Collective, op: str) -> Collective:
     return lambda x: out_of(collective(into(x)))
 
 
+@dataclass(frozen=True)
+class _FlatReduceScatter:
+    """Reduce a flat buffer of ``n`` equal blocks (block j for the member of group rank j)
+    over an axis group: this member gets its block, reduced. On NCCL (and any backend
+    but gloo) one ``reduce_scatter_tensor``. Gloo has no reduce-scatter of its own (c10d
+    runs it as an all-reduce of the whole buffer, then a copy): there the blocks travel by
+    one ``all_to_all_single`` (each member sends block j to member j: (n-1)/n of the buffer,
+    half an all-reduce's traffic) and the member reduces the n blocks it received."""
+
+    n: int
+    op: str
+    group_name: str
+    exchange: bool            # gloo: all-to-all, then reduce locally
+
+    def start(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.exchange:
+            splits = [flat.shape[0] // self.n] * self.n       # blocks along dim 0
+            return FUNCTIONAL.all_to_all_single(flat, splits, splits, self.group_name)
+        return FUNCTIONAL.reduce_scatter_tensor(flat, self.op, self.n, self.group_name)
+
+    def finish(self, pending: torch.Tensor) -> torch.Tensor:
+        out = FUNCTIONAL.wait_tensor(pending)
+        if not self.exchange:
+            return out
+        blocks = out.view((self.n, out.shape[0] // self.n) + tuple(out.shape[1:]))
+        if self.op in ("sum", "avg"):
+            reduced = blocks.sum(0)
+            return reduced / self.n if self.op == "avg" else reduced
+        return blocks.amax(0) if self.op == "max" else blocks.amin(0)
+
+    def run(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.start(flat))
+
+
+def _flat_reduce_scatter(axis: MeshAxisGroup, op: str) -> _FlatReduceScatter:
+    exchange = dist.get_backend(axis.group) == "gloo"
+    return _FlatReduceScatter(axis.size, op, axis.group.group_name, exchange)
+
+
 def _chunks(size: int, n: int) -> list[tuple[int, int]]:
     """(offset, length) of each torch.chunk piece of ``size`` into ``n``."""
     return [(local_offset(size, n, j), local_size(size, n, j)) for j in range(n)]
@@ -248,7 +291,8 @@ def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collect
     t, n, i = step.tensor_dim, axis.size, axis.index
     parts = _chunks(shapes[i][t], n)
     width = parts[0][1]
-    op, name, order = _reduce_op(step.op), axis.group.group_name, axis.order
+    order = axis.order
+    scatter = _flat_reduce_scatter(axis, _reduce_op(step.op))
     identity = order == tuple(range(n)) and all(length == width for _, length in parts)
 
     def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +301,7 @@ def _reduce_scatter(step: ReduceScatter, axis: MeshAxisGroup, shapes) -> Collect
             flat = xt.contiguous()
         else:
             flat = _stack_blocks([xt.narrow(0, *parts[j]) for j in order], width)
-        out = FUNCTIONAL.wait_tensor(FUNCTIONAL.reduce_scatter_tensor(flat, op, n, name))
+        out = scatter.run(flat)
         return out[:parts[i][1]].movedim(0, t).contiguous()
     return _as_norm(reduce_scatter, step.op)
 
@@ -267,12 +311,13 @@ def _reduce_scatter_grouped(step: ReduceScatter, axis: MeshAxisGroup, shapes) ->
     widths = group_widths(g, shapes[i][t])
     width = sum(local_size(w, n, 0) for w in widths)      # the largest member's piece
     mine = sum(local_size(w, n, i) for w in widths)
-    op, name, order = _reduce_op(step.op), axis.group.group_name, axis.order
+    order = axis.order
+    scatter = _flat_reduce_scatter(axis, _reduce_op(step.op))
 
     def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
         xt = x.movedim(t, 0)
         flat = _stack_blocks([chunk_grouped(xt, 0, n, j, g) for j in order], width)
-        out = FUNCTIONAL.wait_tensor(FUNCTIONAL.reduce_scatter_tensor(flat, op, n, name))
+        out = scatter.run(flat)
         return out[:mine].movedim(0, t).contiguous()
     return _as_norm(reduce_scatter, step.op)
 

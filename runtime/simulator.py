@@ -72,9 +72,12 @@ def communicate(ops: dict[Coordinate, Any], comm: Comm, envs: dict, mesh) -> Non
     for c, op in ops.items():
         if isinstance(comm, (GatherStart, ScatterStart)):
             # the runtime's handle holds the unit's flat input until the wait (the
-            # collective reads it) besides its output buffer: the meter counts both
+            # collective reads it) besides its output buffer: the meter counts both. A
+            # reduce-scatter's output on gloo is every member's block for this one (the
+            # all-to-all of ``collectives._FlatReduceScatter``), the input's size
             flat = torch.cat([envs[c][v].reshape(-1) for v in op.args])
-            envs[c][op.outputs[0]] = (*results[c], flat)
+            received = (torch.empty_like(flat),) if isinstance(comm, ScatterStart) else ()
+            envs[c][op.outputs[0]] = (*results[c], flat, *received)
         else:
             envs[c][op.outputs[0]] = tuple(results[c]) if started else results[c][0]
 

@@ -93,7 +93,7 @@ def test_peak_drops_by_the_parameters_the_forward_kept(monkeypatch):
 def _largest_prefetch(engine: Engine) -> int:
     """Bytes the largest unit of gathered parameters and the largest unit of reduce-scattered
     gradients hold from their start to their wait, on rank 0: each its flat input (which the
-    collective reads) and its output buffer."""
+    collective reads) and its output buffer (a reduce-scatter's on gloo: the input's size)."""
     x, y = _batch()
     program = engine.planner.plan("train", x, y).lowered.processes[0].program
 
@@ -102,7 +102,11 @@ def _largest_prefetch(engine: Engine) -> int:
                        for v in op.outputs + op.args[0].producer.inputs)
                    for op in program.ops if op.target == "comm.wait"
                    and op.args[0].producer.target == start)
-    return held("comm.all_gather_start") + held("comm.reduce_scatter_start")
+
+    def exchanged() -> int:     # on gloo, the blocks received: the input's size
+        return max(sum(v.type.numel * v.type.dtype.itemsize for v in op.inputs)
+                   for op in program.ops if op.target == "comm.reduce_scatter_start")
+    return held("comm.all_gather_start") + held("comm.reduce_scatter_start") + exchanged()
 
 
 def _planned(strategy: Strategy, mode: str = "train"):
