@@ -122,12 +122,13 @@ def first_steps(steps: dict[str, Callable[[], object]]) -> dict[str, float]:
     return times
 
 
-def main(script: str, rank_main: Callable[[], object]) -> None:
-    """A benchmark script's entry: as a launched rank, run; otherwise launch the ranks."""
+def main(script: str, rank_main: Callable[[], object], world: int = 2) -> None:
+    """A benchmark script's entry: as a launched rank, run; otherwise launch ``world``
+    ranks."""
     if in_rank():
         rank_main()
     else:
-        sys.exit(launch(script, sys.argv[1:]))
+        sys.exit(launch(script, sys.argv[1:], world))
 
 
 def init() -> tuple[int, int]:

@@ -41,9 +41,11 @@ from autopar.models.gpt import lm_loss  # noqa: E402
 CHECKED_STEPS = 3
 
 
-def strategy(stage: int) -> ap.Strategy:
-    """``configs/dp.yaml``, with ZeRO ``stage`` over its dp axis (0: none)."""
+def strategy(stage: int, world: int) -> ap.Strategy:
+    """``configs/dp.yaml`` over ``world`` ranks, with ZeRO ``stage`` over its dp axis (0:
+    none)."""
     config = yaml.safe_load((ROOT / "configs" / "dp.yaml").read_text())
+    config["mesh"]["shape"] = [world]
     if stage:
         config["sharding"] = {"stage": stage, "axis": "dp"}
     return ap.Strategy(**config)
@@ -56,7 +58,7 @@ def rank_main(args: argparse.Namespace) -> None:
     for name, stage in (("dp", 0), ("ZeRO-1", 1), ("ZeRO-2", 2)):
         mine = copy.deepcopy(model)
         engine = ap.Engine(mine, lm_loss, torch.optim.AdamW(mine.parameters(), lr=1e-3),
-                           strategy=compiled_strategy(strategy(stage), args.compile))
+                           strategy=compiled_strategy(strategy(stage, world), args.compile))
         steps[name] = lambda engine=engine: engine.train_step(x, y)
         engines[name] = engine
     for step in range(CHECKED_STEPS):
@@ -77,5 +79,11 @@ def rank_main(args: argparse.Namespace) -> None:
     finish()
 
 
+def arguments() -> argparse.Namespace:
+    parser = gpt_arguments(__doc__)
+    parser.add_argument("--world", type=int, default=2, help="data-parallel ranks")
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
-    main(__file__, lambda: rank_main(gpt_arguments(__doc__).parse_args()))
+    main(__file__, lambda: rank_main(arguments()), world=arguments().world)
