@@ -36,8 +36,15 @@ from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -61,30 +68,59 @@ from autopar.models import GPT  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
 
 CHECKED_STEPS = 3
-COLWISE, ROWWISE = ("attn.qkv", "fc1"), ("attn.proj", "fc2")
+PLANS = {   # plan name -> (colwise, rowwise) layers of each block
+    "megatron": (("attn.qkv", "fc1"), ("attn.proj", "fc2")),
+    "mlp": (("fc1",), ("fc2",)),
+}
 
 
-def strategy(world: int) -> ap.Strategy:
-    plan = {f"blocks.*.{name}": "colwise" for name in COLWISE}
-    plan.update({f"blocks.*.{name}": "rowwise" for name in ROWWISE})
+def strategy(world: int, plan_name: str = "megatron", sequence_parallel: bool = False
+             ) -> ap.Strategy:
+    colwise, rowwise = PLANS[plan_name]
+    plan = {f"blocks.*.{name}": "colwise" for name in colwise}
+    plan.update({f"blocks.*.{name}": "rowwise" for name in rowwise})
     return ap.Strategy(mesh={"shape": [world], "dim_names": ["tp"]},
-                       tensor_parallel={"axis": "tp", "plan": plan})
+                       tensor_parallel={"axis": "tp", "plan": plan,
+                                        "sequence_parallel": sequence_parallel})
 
 
-def dtensor_model(model: GPT, mesh: DeviceMesh) -> GPT:
-    """The model with DTensor's Megatron plan on the same layers as ``strategy``."""
+def dtensor_model(model: GPT, mesh: DeviceMesh, plan_name: str = "megatron",
+                  sequence_parallel: bool = False) -> GPT:
+    """The model with DTensor's plan on the same layers as ``strategy``; with
+    ``sequence_parallel``, torchtitan's: ``SequenceParallel`` on the block norms, the
+    colwise layers taking sequence shards, the rowwise ones making them, the blocks'
+    residual stream sequence-sharded from the first block to the final norm."""
+    colwise, rowwise = PLANS[plan_name]
+    seq = {"input_layouts": Shard(1)} if sequence_parallel else {}
+    out = {"output_layouts": Shard(1)} if sequence_parallel else {}
     plan = {}
     for i in range(len(model.blocks)):
-        # qkv's output stays a DTensor: the attention splits and views it globally
-        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(use_local_output=False)
-        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
-        plan[f"blocks.{i}.fc1"] = ColwiseParallel()
-        plan[f"blocks.{i}.fc2"] = RowwiseParallel()
+        for name in colwise:
+            # qkv's output stays a DTensor: the attention splits and views it globally
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel(
+                use_local_output=name != "attn.qkv", **seq)
+        for name in rowwise:
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel(**out)
+        if sequence_parallel:
+            plan[f"blocks.{i}.ln2"] = SequenceParallel()
+            if "attn.qkv" in colwise:
+                plan[f"blocks.{i}.ln1"] = SequenceParallel()
+    if sequence_parallel:
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                              desired_input_layouts=(Shard(1),))
+        plan["ln_f"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),))
     return parallelize_module(model, mesh, plan)
 
 
 def _args(argv=None) -> argparse.Namespace:
-    return gpt_arguments(__doc__).parse_args(argv)
+    parser = gpt_arguments(__doc__)
+    parser.add_argument("--plan", choices=sorted(PLANS), default="megatron",
+                        help="megatron: qkv + MLP (default); mlp: the MLP only")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron-SP: autopar's sequence_parallel vs DTensor's "
+                             "SequenceParallel")
+    return parser.parse_args(argv)
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -93,9 +129,10 @@ def rank_main(args: argparse.Namespace) -> None:
     eager, theirs_model = copy.deepcopy(model), copy.deepcopy(model)
 
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                       strategy=compiled_strategy(strategy(world), args.compile))
+                       strategy=compiled_strategy(
+                           strategy(world, args.plan, args.sequence_parallel), args.compile))
     mesh = DeviceMesh("cpu", list(range(world)))
-    theirs_model = dtensor_model(theirs_model, mesh)
+    theirs_model = dtensor_model(theirs_model, mesh, args.plan, args.sequence_parallel)
     dt_opt = torch.optim.AdamW(theirs_model.parameters(), lr=1e-3)
     forward = torch.compile(theirs_model) if args.compile else theirs_model
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
@@ -123,7 +160,8 @@ def rank_main(args: argparse.Namespace) -> None:
                         {"DTensor tp, per rank": (theirs_model, dt_opt)})
     if rank == 0:
         print(f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq} on every rank, "
-              f"AdamW, tensor parallel on {world} gloo ranks, "
+              f"AdamW, tensor parallel ({args.plan} plan"
+              f"{', sequence parallel' if args.sequence_parallel else ''}) on {world} gloo ranks, "
               f"{torch.get_num_threads()} thread(s) each"
               + (f"; compiled both (first step: autopar {first['autopar']:.1f} s, DTensor + "
                  f"torch.compile {first['DTensor']:.1f} s)" if args.compile else ""))

@@ -251,8 +251,8 @@ class _FlatReduceScatter:
             return FUNCTIONAL.all_to_all_single(flat, splits, splits, self.group_name)
         return FUNCTIONAL.reduce_scatter_tensor(flat, self.op, self.n, self.group_name)
 
-    def finish(self, pending: torch.Tensor) -> torch.Tensor:
-        out = FUNCTIONAL.wait_tensor(pending)
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """This member's reduced block, from the waited output of ``start``."""
         if not self.exchange:
             return out
         blocks = out.view((self.n, out.shape[0] // self.n) + tuple(out.shape[1:]))
@@ -262,7 +262,7 @@ class _FlatReduceScatter:
         return blocks.amax(0) if self.op == "max" else blocks.amin(0)
 
     def run(self, flat: torch.Tensor) -> torch.Tensor:
-        return self.finish(self.start(flat))
+        return self.finish(FUNCTIONAL.wait_tensor(self.start(flat)))
 
 
 def _flat_reduce_scatter(axis: MeshAxisGroup, op: str) -> _FlatReduceScatter:
