@@ -96,20 +96,27 @@ def dtensor_model(model: GPT, mesh: DeviceMesh, plan_name: str = "megatron",
     plan = {}
     for i in range(len(model.blocks)):
         for name in colwise:
-            # qkv's output stays a DTensor: the attention splits and views it globally
-            plan[f"blocks.{i}.{name}"] = ColwiseParallel(
-                use_local_output=name != "attn.qkv", **seq)
+            # qkv's output stays a DTensor: the attention splits and views it globally;
+            # under SP the attention's input is gathered first (below), as torchtitan does
+            qkv = name == "attn.qkv"
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel(use_local_output=not qkv,
+                                                         **({} if qkv else seq))
         for name in rowwise:
             plan[f"blocks.{i}.{name}"] = RowwiseParallel(**out)
         if sequence_parallel:
-            plan[f"blocks.{i}.ln2"] = SequenceParallel()
-            if "attn.qkv" in colwise:
-                plan[f"blocks.{i}.ln1"] = SequenceParallel()
+            # local outputs: the residual stream holds plain sequence shards
+            plan[f"blocks.{i}.ln1"] = SequenceParallel(use_local_output=True)
+            plan[f"blocks.{i}.ln2"] = SequenceParallel(use_local_output=True)
+            plan[f"blocks.{i}.attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_output=False)
     if sequence_parallel:
         plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),),
-                                              desired_input_layouts=(Shard(1),))
+                                              desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
         plan["ln_f"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                          desired_input_layouts=(Replicate(),))
+                                          desired_input_layouts=(Replicate(),),
+                                          use_local_output=True)
     return parallelize_module(model, mesh, plan)
 
 
@@ -120,7 +127,11 @@ def _args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="Megatron-SP: autopar's sequence_parallel vs DTensor's "
                              "SequenceParallel")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.sequence_parallel and args.plan != "megatron":
+        parser.error("--sequence-parallel needs --plan megatron (the attention of a sequence-"
+                     "sharded residual stream must be tensor parallel too)")
+    return args
 
 
 def rank_main(args: argparse.Namespace) -> None:
