@@ -44,6 +44,13 @@ class StepComm:
     member_shapes: tuple[Shape, ...]
 
 
+# An all-reduce of at most this many bytes over a pair of gloo processes runs as an
+# all-gather of both terms and a local sum (``runtime.collectives._GatheredReduce``): gloo's
+# own all-reduce costs about 2 ms from 64 KiB up on loopback, its all-gather half that; past
+# about 1 MiB the sum's extra pass over both terms costs more than it saves
+GATHERED_REDUCE_BYTES = 512 * 1024
+
+
 @dataclass(frozen=True)
 class BucketStart:
     """An asynchronous all-reduce of several tensors flattened into one buffer."""

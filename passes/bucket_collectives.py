@@ -14,8 +14,10 @@ Each bucket becomes two ops:
 so a bucket travels while the backward computes the next gradients. The results keep the
 old comm ops' values, so readers do not change. Any other all-reduce of a value made well
 before it is read (the reported loss, read only at the end of the step; the token count of
-a mean loss, made from the labels) likewise starts where its value is made and is waited
-for where it is read, so it does not stop the ranks in between.
+a mean loss, made from the labels; a tensor-parallel backward's input gradient, made before
+its layer's weight gradient: Megatron's asynchronous all-reduce) likewise starts where its
+value is made (views of it move up to it) and is waited for where it is read, so it does
+not stop the ranks in between.
 """
 from __future__ import annotations
 
@@ -34,12 +36,17 @@ HANDLE = OpaqueType("!comm.handle")
 MIB = 1 << 20
 FIRST_BUCKET = 1 * MIB   # DDP's first bucket too: the last layers' gradients leave early
 EARLY = 8                # ops between a value and its first reader that make waiting later pay
+MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+           "aten.convolution.default", "aten.convolution_backward.default")
+VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+         "aten.t.default", "aten.transpose.int", "aten.permute.default")
 
 
 def bucket_collectives(program: Program, ctx: PassContext) -> Program:
     cap = bucket_bytes(ctx)
     if ctx.state.mesh is None or cap == 0:
         return program
+    _hoist_views(program)
     position = {op: i for i, op in enumerate(program.ops)}
     first_reader = _first_readers(program, position)
     buckets = _buckets(_candidates(program, position), position, first_reader, cap)
@@ -107,7 +114,33 @@ def _early_reductions(program: Program, position: dict[Op, int],
     return [op for op in program.ops
             if _is_all_reduce(op)
             and op.args[0].producer is not None and op.args[0].producer.kind is OpKind.CALL
-            and first_reader[op.outputs[0]] - position[op.args[0].producer] > EARLY]
+            and _pays(program.ops[position[op.args[0].producer] + 1:first_reader[op.outputs[0]]])]
+
+
+def _pays(between: list[Op]) -> bool:
+    """Whether waiting after ``between`` (the ops from a value to its first reader) pays: many
+    ops, or a matmul (a tensor-parallel backward's weight gradient, made after the input's
+    gradient that is all-reduced: Megatron's asynchronous grad-input all-reduce)."""
+    return len(between) > EARLY or any(op.target in MATMULS for op in between)
+
+
+def _hoist_views(program: Program) -> None:
+    """An all-reduce of a view of a computed value (``mm`` then ``view`` back to ``[B, T, C]``)
+    can start where the value is computed: the views move right after their base's producer
+    (a view computes nothing and reads only its base), so ops between, such as the weight
+    gradient made after the input's gradient, overlap the collective."""
+    for comm in [op for op in program.ops if _is_all_reduce(op)]:
+        chain, base = [], comm.args[0]
+        while (base.producer is not None and base.producer.kind is OpKind.CALL
+               and base.producer.target in VIEWS and len(base.producer.inputs) == 1):
+            chain.append(base.producer)
+            base = base.producer.inputs[0]
+        if not chain or base.producer is None:
+            continue
+        moved = set(chain)
+        ops = [op for op in program.ops if op not in moved]
+        at = ops.index(base.producer) + 1
+        program.ops = ops[:at] + chain[::-1] + ops[at:]
 
 
 def _stage_of(comm: Op) -> int | None:
