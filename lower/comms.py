@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..ir import Op, OpKind
+from ..ir import Op, OpKind, Role
 from ..ir.attrs import CONST, FILL, STATE, StateKind
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, local_shape
 from ..reshard import plan_reshard
-from ..reshard.comm import BUCKET_STEPS, RESHARD_STEP
+from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from .executable import (
+    GATHERED_REDUCE_BYTES,
     BucketStart,
     BucketWait,
     Comm,
@@ -22,7 +23,7 @@ from .executable import (
     StepComm,
 )
 
-__all__ = ["comm_spec", "step_comm", "state_piece", "member_shapes"]
+__all__ = ["comm_spec", "step_comm", "state_piece", "member_shapes", "by_gather"]
 
 
 def member_shapes(shape: Sequence[int], mesh: ProcessMesh, placements: Sequence,
@@ -38,6 +39,19 @@ def step_comm(step, shape: Sequence[int], dist: DistAttr, coordinate: Sequence[i
                                         step.mesh_dim))
 
 
+def by_gather(start: Op) -> bool:
+    """Whether a bucket's all-reduce (``comm.all_reduce_start``) runs, on gloo, as one
+    all-gather of both terms and a local sum (``GATHERED_REDUCE_BYTES``): over a pair of
+    processes, small, and not of gradients (a tensor-parallel backward's activation
+    gradient): gradient buckets stay in place, as DDP's, the gathered form would hold three
+    times their bytes until the wait."""
+    step = start.attrs[BUCKET_STEPS][0]
+    return (start.args[0].dist.mesh.shape[step.mesh_dim] == 2
+            and start.attrs.get(FOR_ROLE) is not Role.OPTIMIZER
+            and sum(v.type.numel * v.type.dtype.itemsize for v in start.args)
+            <= GATHERED_REDUCE_BYTES)
+
+
 def comm_spec(op: Op, coordinate: Sequence[int]) -> Comm:
     """What comm ``op`` of the *global* program runs on the process at ``coordinate``."""
     if op.target == "comm.all_reduce_start":
@@ -46,7 +60,7 @@ def comm_spec(op: Op, coordinate: Sequence[int]) -> Comm:
             raise ValueError(f"{op.target}: a bucket mixes mesh dims or reduce ops: {steps}")
         return BucketStart(steps, tuple(local_shape(v.type.shape, v.dist.mesh,
                                                     v.dist.placements, coordinate)
-                                        for v in op.args))
+                                        for v in op.args), by_gather(op))
     if op.target == "comm.all_gather_start":
         return GatherStart(*_unit(op, coordinate, "a unit", pieces_after=False))
     if op.target == "comm.reduce_scatter_start":

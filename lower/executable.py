@@ -45,9 +45,10 @@ class StepComm:
 
 
 # An all-reduce of at most this many bytes over a pair of gloo processes runs as an
-# all-gather of both terms and a local sum (``runtime.collectives._GatheredReduce``): gloo's
-# own all-reduce costs about 2 ms from 64 KiB up on loopback, its all-gather half that; past
-# about 1 MiB the sum's extra pass over both terms costs more than it saves
+# all-gather of both terms and a local sum (``runtime.collectives._GatheredReduce``; a
+# bucket's: ``comms.by_gather``): gloo's own all-reduce costs about 2 ms from 64 KiB up on
+# loopback, its all-gather half that; past about 1 MiB the sum's extra pass over both terms
+# costs more than it saves
 GATHERED_REDUCE_BYTES = 512 * 1024
 
 
@@ -57,6 +58,7 @@ class BucketStart:
 
     steps: tuple[Step, ...]          # one per input: one mesh dim, one reduce op
     shapes: tuple[Shape, ...]        # the inputs' local shapes
+    gathered: bool = False           # on gloo, an all-gather of both terms (``comms.by_gather``)
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ir import Op, OpKind, Program, Value
+from ..ir import OpKind, Program, Value
 from ..ir.attrs import NAME, STATE, StateKind
 from ..ir.ops import op_info
 from ..ir.printer import value_names
 from ..pipeline.jobs import STEP
-from ..reshard.comm import BUCKET_STEPS
 from ..reshard.steps import AllGather
-from .executable import GATHERED_REDUCE_BYTES, Lowered, PipelineProcess, RankProgram
+from .comms import by_gather
+from .executable import Lowered, PipelineProcess, RankProgram
 
 __all__ = ["Holder", "MemoryEstimate", "estimate_memory", "estimate_process",
            "MemoryLimitError", "check_memory_limit", "format_estimates", "STATE_CATEGORIES"]
@@ -176,8 +176,8 @@ def _buffer_bytes(program: Program) -> dict[Value, int]:
     inputs, which the collective reads until the wait, and its output buffer (the size of
     the wait's results; a reduce-scatter's: the blocks every member sends this one, the
     input's size on gloo, where it travels as an all-to-all). A bucket's all-reduce is done
-    in place, except over a pair of gloo processes: an all-gather of both terms. The
-    estimate counts gloo's forms (NCCL's are smaller)."""
+    in place, except a small one of activation gradients over a pair (``comms.by_gather``):
+    an all-gather of both terms. The estimate counts gloo's forms (NCCL's are smaller)."""
     sizes = {v: value_bytes(v) for op in program.ops for v in op.outputs if v.is_tensor}
     for op in program.ops:
         if op.kind is OpKind.COMM and op.target == "comm.wait" and not op.args[0].is_tensor:
@@ -187,18 +187,9 @@ def _buffer_bytes(program: Program) -> dict[Value, int]:
             if start.target == "comm.reduce_scatter_start":
                 out = flat
             if start.target == "comm.all_reduce_start":
-                out = 2 * flat if _gathers_pair(start) else 0   # else: in place
+                out = 2 * flat if by_gather(start) else 0   # else: in place
             sizes[op.args[0]] = flat + out
     return sizes
-
-
-def _gathers_pair(start: Op) -> bool:
-    """Whether a bucket's all-reduce runs over a pair of processes, which gloo does as an
-    all-gather of both terms (``runtime.collectives._GatheredReduce``): its buffer holds
-    both."""
-    step = start.attrs[BUCKET_STEPS][0]
-    return (start.inputs[0].dist.mesh.shape[step.mesh_dim] == 2
-            and sum(value_bytes(v) for v in start.inputs) <= GATHERED_REDUCE_BYTES)
 
 
 def _last_uses(program: Program, root: dict[Value, Value], sizes: dict[Value, int]

@@ -85,11 +85,11 @@ def _bucket_start(comm: BucketStart, groups: MeshGroups) -> Callable:
     name, rop = groups[mesh_dim].group.group_name, _reduce_op(reduce)
     into, out_of = _norm_io(reduce)
 
-    gathered = _GatheredReduce.on(groups[mesh_dim], rop)
+    gathered = _GatheredReduce.on(groups[mesh_dim], rop) if comm.gathered else None
 
     def all_reduce_start(*grads: torch.Tensor):
         flat = into(torch.cat([g.reshape(-1) for g in grads]))
-        if gathered is not None and gathered.fits(flat):
+        if gathered is not None:
             # the handle holds the flat terms too: the gather reads them until the wait
             return (gathered.start(flat), sizes, shapes,
                     lambda out: out_of(gathered.finish(out)), flat)

@@ -20,7 +20,6 @@ from ..ir.core import Op, OpKind, Slot, Value
 from ..ir.dist import assemble, shard_tensor_local
 from ..ir.ops import draws_random, resolve
 from ..lower.executable import (
-    GATHERED_REDUCE_BYTES,
     BucketStart,
     BucketWait,
     Comm,
@@ -79,11 +78,9 @@ def communicate(ops: dict[Coordinate, Any], comm: Comm, envs: dict, mesh) -> Non
             flat = torch.cat([envs[c][v].reshape(-1) for v in op.args])
             received = (torch.empty_like(flat),) if isinstance(comm, ScatterStart) else ()
             envs[c][op.outputs[0]] = (*results[c], flat, *received)
-        elif isinstance(comm, BucketStart) and mesh.shape[comm.steps[0].mesh_dim] == 2 \
-                and sum(envs[c][v].numel() * envs[c][v].element_size()
-                        for v in op.args) <= GATHERED_REDUCE_BYTES:
-            # over a pair of gloo processes, an all-gather of both terms
-            # (``collectives._GatheredReduce``): the handle holds both
+        elif isinstance(comm, BucketStart) and comm.gathered:
+            # on gloo, an all-gather of both terms (``collectives._GatheredReduce``): the
+            # handle holds both
             both = torch.cat([envs[c][v].reshape(-1) for v in op.args] * 2)
             envs[c][op.outputs[0]] = (*results[c], both)
         else:
