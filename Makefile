@@ -27,11 +27,14 @@ golden: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) bench/serial.py
+	$(PY) bench/overhead.py
 	$(PY) bench/compile.py --memory
 	$(PY) bench/plan.py
 	$(PY) bench/dp_vs_ddp.py
 	$(PY) bench/dp_vs_ddp.py --compile
 	$(PY) bench/tp_vs_dtensor.py
+	$(PY) bench/tp_vs_dtensor.py --plan mlp
+	$(PY) bench/tp_vs_dtensor.py --sequence-parallel
 	$(PY) bench/tp_vs_dtensor.py --compile
 	$(PY) bench/pp_vs_pipelining.py
 	$(PY) bench/pp_memory.py
