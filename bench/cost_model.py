@@ -127,7 +127,8 @@ def build_config(args: argparse.Namespace, name: str, size: str, profile: Profil
         apply = engine.predict_time(x, y, profile=profile)
         predicted = apply.step_s
         if k > 1:
-            only = engine.planner.time(engine.planner.plan("train", x, y, True), profile)
+            only = engine.planner.time(engine.planner.plan("train", x, y).accumulating,
+                                       profile)
             predicted = ((k - 1) * only.step_s + apply.step_s) / k
         predict_s = time.perf_counter() - start
     return {"config": name, "size": size, "engine": engine, "x": x, "y": y, "k": k,

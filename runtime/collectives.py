@@ -239,7 +239,8 @@ class _GatheredReduce:
 
 
 def _reduce_blocks(blocks: torch.Tensor, op: str, n: int) -> torch.Tensor:
-    """The members' terms (stacked along dim 0) combined by ``op``, in member order."""
+    """The members' terms (stacked along dim 0, by group rank) combined by ``op`` in that
+    order."""
     if op in ("sum", "avg"):
         reduced = blocks.sum(0)
         return reduced / n if op == "avg" else reduced
