@@ -453,3 +453,27 @@ def test_separate_qkv_projections_with_two_kv_heads_keep_working_under_tp2(arch)
     gathers = _gathers_between(engine, "model.layers.{}.self_attn.q_proj",
                                "model.layers.{}.self_attn.o_proj")
     assert not any(gathers.values()), gathers
+
+
+def test_explicit_attention_matmuls_keep_the_heads_local_under_tp2():
+    """``q @ k.transpose(-2, -1)`` and ``att @ v`` on ``[B, H, T, hd]`` run as ``bmm`` on
+    ``[B*H, T, hd]`` views: those reshapes keep the heads' shard as a grouped one
+    (``regroup_flattens``: read only by batched matmuls of activations), so under the
+    Megatron plan nothing is gathered or cut anywhere in the step (before: every head
+    all-gathered to every rank, forward and backward). Trains like eager."""
+    from autopar.models import GPT, GPTConfig
+    from autopar.models.gpt import lm_loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32,
+                          sdpa=False))
+    plan = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+            "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+    ids = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ + 1),
+                        generator=torch.Generator().manual_seed(0))
+    data = [(row[:-1], row[1:]) for row in ids]
+    _, engine = _train(model, data, lm_loss, _strategy(plan))
+    program = engine.planner.last("train").program
+    assert any(op.target == "aten.bmm.default" for op in program.ops)
+    moved = [f"{op.target} {op.module}" for op in program.ops
+             if op.target in ("comm.all_gather", "comm.slice", "comm.all_to_all")]
+    assert not moved, moved
