@@ -11,13 +11,16 @@ Each bucket becomes two ops:
     %h = comm.all_reduce_start(%g1, %g2, ...)   # right after the last of its gradients
     %r1, %r2, ... = comm.wait(%h)               # right before the first reader
 
-so a bucket travels while the backward computes the next gradients. The results keep the
-old comm ops' values, so readers do not change. Any other all-reduce of a value made well
-before it is read (the reported loss, read only at the end of the step; the token count of
-a mean loss, made from the labels; a tensor-parallel backward's input gradient, made before
-its layer's weight gradient: Megatron's asynchronous all-reduce) likewise starts where its
-value is made (views of it move up to it) and is waited for where it is read, so it does
-not stop the ranks in between.
+so a bucket travels while the backward computes the next gradients. A pipeline's gradients
+are summed over micro-batches first (then the bucket runs in the ``post`` job, its
+all-reduces concurrent with each other and with the updates of earlier buckets).
+
+The results keep the old comm ops' values, so readers do not change. Any other all-reduce
+of a value made well before it is read (the reported loss, read only at the end of the
+step; the token count of a mean loss, made from the labels; a tensor-parallel backward's
+input gradient, made before its layer's weight gradient: Megatron's asynchronous all-
+reduce) likewise starts where its value is made (views of it move up to it) and is waited
+for where it is read, so it does not stop the ranks in between.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ def bucket_collectives(program: Program, ctx: PassContext) -> Program:
     if ctx.state.mesh is None or cap == 0:
         return program
     _hoist_views(program)
+    _hoist_accumulations(program)
     position = {op: i for i, op in enumerate(program.ops)}
     first_reader = _first_readers(program, position)
     buckets = _buckets(_candidates(program, position), position, first_reader, cap)
@@ -141,6 +145,23 @@ def _hoist_views(program: Program) -> None:
         ops = [op for op in program.ops if op not in moved]
         at = ops.index(base.producer) + 1
         program.ops = ops[:at] + chain[::-1] + ops[at:]
+
+
+def _hoist_accumulations(program: Program) -> None:
+    """A pipeline's gradient is summed over micro-batches by its own all-reduce over ``mb``
+    (the runtime adds each micro-batch's term as its job ends), placed by reshard just before
+    the all-reduce over processes and the optimizer that reads it. Moved right after the
+    backward op that makes the terms, every gradient of a stage is ready for a bucket in the
+    order the backward makes it, not interleaved with the updates that read the previous
+    one (where no bucket could hold two)."""
+    sums = [op for op in program.ops
+            if op.kind is OpKind.COMM and isinstance(op.attrs.get(RESHARD_STEP), AllReduce)
+            and _over_micro_batches(op) and op.attrs.get(FOR_ROLE) is Role.OPTIMIZER
+            and op.args[0].producer is not None and op.args[0].producer.kind is OpKind.CALL]
+    for op in sums:
+        ops = [o for o in program.ops if o is not op]
+        at = ops.index(op.args[0].producer) + 1
+        program.ops = ops[:at] + [op] + ops[at:]
 
 
 def _stage_of(comm: Op) -> int | None:
