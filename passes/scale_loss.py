@@ -13,14 +13,14 @@ The math is ``torch.amp.GradScaler``'s, so an fp32 run equals eager GradScaler t
   rounded to float, after checking the scaled values for inf/nan
   (``torch._amp_foreach_non_finite_check_and_unscale_``).
 
-The check and the unscale are traced from a small torch function as ATen ops, so later
-passes place them like any other: each gradient sums ``|g| * 0`` (nan where an element
-is inf or nan), the sums are stacked and summed into one scalar. A gradient sharded over a
-mesh axis (tensor parallel, ZeRO-2) sums its piece, which makes that scalar Partial: one
-all-reduce of it settles every rank's flag (a stack of scalars carries its partial terms
-through, ``spmd/rules/views.py``). Under plain data parallelism the gradients are
-all-reduced anyway (an inf or nan on any rank reaches every rank's sum), so the flag needs
-none.
+Check and unscale read each gradient once: ``autopar.unscale_checked(g, inv_scale)`` gives
+``g * inv_scale`` and whether max |g| is finite (``ir/kernels/amp.py``; a rank's code runs a
+run of them as two foreach calls, as ``GradScaler.unscale_`` runs a param group), and the
+per-gradient flags are stacked and their max taken (traced as ATen ops). A gradient sharded
+over a mesh axis (tensor parallel, ZeRO-2) checks its piece, which makes its flag
+``Partial(max)`` (``spmd/rules/reduction.py``): one all-reduce of the combined flag settles
+every rank's. Under plain data parallelism the gradients are all-reduced anyway (an inf or
+nan on any rank reaches every rank's sum), so the flag needs none.
 
 The scaler's state starts as ``GradScaler`` makes it: the scale state (``amp/loss_scale``)
 declares its start (``init_scale``, or the static scale) as the state's fill, so nothing
@@ -130,27 +130,26 @@ def _mark_readers(program: Program, value: Value, text: str) -> None:
             op.attrs.setdefault(LOSS_SCALING, text)
 
 
-def _check_and_unscale(grads: list[torch.Tensor], scale: torch.Tensor
-                       ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    # GradScaler._unscale_grads_: the reciprocal in double, rounded to float
-    inv_scale = scale.double().reciprocal().float()
-    # |g| * 0 is nan exactly where g is inf or nan (0 elsewhere): a sum of them is nan iff
-    # any element is, and cannot overflow (isfinite traces as five ops a gradient). abs is
-    # not linear, so a Partial gradient is summed before it is checked: a sum over ranks
-    # that overflows is caught, as eager's one-device gradient would be.
-    probe = torch.stack([(g.abs() * 0).sum(dtype=torch.float32) for g in grads]).sum()
-    skipped = torch.isnan(probe)
-    return [g * inv_scale for g in grads], skipped.float(), skipped
+def _combined(found: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    any_found = torch.stack(found).amax()
+    return any_found, any_found > 0
 
 
 def _unscale(program: Program, grads: list[Value], scale: Value
              ) -> tuple[list[Value], Value, Value]:
-    examples = [torch.empty(v.type.shape, dtype=v.type.dtype) for v in grads]
-    gm = make_fx(_check_and_unscale, tracing_mode="fake")(
-        examples, torch.empty((), dtype=torch.float32))
-    first = len(program.ops) - 1      # the traced ops go in before the output op
-    *unscaled, found_inf, skipped = append_graph(program, gm, [*grads, scale], Role.OPTIMIZER)
+    first = len(program.ops) - 1      # the new ops go in before the output op
+    # GradScaler._unscale_grads_: the reciprocal in double, rounded to float
+    inv_gm = make_fx(lambda s: s.double().reciprocal().float(), tracing_mode="fake")(
+        torch.empty((), dtype=torch.float32))
+    inv_scale = append_graph(program, inv_gm, [scale], Role.OPTIMIZER)
+    checks = [program.add_call("autopar.unscale_checked", (g, inv_scale),
+                               [g.type, TensorType((), torch.float32)], role=Role.OPTIMIZER,
+                               module=g.producer.module if g.producer is not None else "")
+              for g in grads]
+    unscaled, found = [op.outputs[0] for op in checks], [op.outputs[1] for op in checks]
+    gm = make_fx(_combined, tracing_mode="fake")([torch.empty(()) for _ in found])
+    found_inf, skipped = append_graph(program, gm, found, Role.OPTIMIZER)
     for op in program.ops[first:]:
         if op.kind is OpKind.CALL:
             op.attrs[LOSS_SCALING] = "unscale and check for inf/nan"
-    return list(unscaled), found_inf, skipped
+    return unscaled, found_inf, skipped

@@ -420,3 +420,21 @@ def test_two_real_ranks_skip_the_same_step(layout):
         for name, value in model.state_dict().items():
             torch.testing.assert_close(got["state"][name], value, rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def test_the_check_reads_each_gradient_once():
+    """Unscale and inf/nan check are one op per gradient (GradScaler's own kernel on a copy);
+    before, every gradient went through abs, * 0 and sum besides the unscale."""
+    strategy = ap.Strategy.from_yaml_str("amp: {loss_scale: dynamic}\n")
+    model = parity_gpt("adamw", vocab=64, seq=8)
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()), strategy=strategy)
+    x, y = (torch.stack(t) for t in zip(*lm_data(4, 8, 64)))
+    program = engine.prepare(x, y)
+    checks = [op for op in program.ops if op.target == "autopar.unscale_checked"]
+    assert len(checks) == len(list(model.parameters()))
+    for check in checks:
+        readers = [op for op in program.ops if check.args[0] in op.inputs
+                   and LOSS_SCALING in op.attrs]
+        assert readers == [check]
+    unscaled = {c.outputs[0] for c in checks}
+    assert all(op.args[1] in unscaled for op in program.ops if op.target == "optim.adam")

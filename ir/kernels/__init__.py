@@ -7,6 +7,7 @@ their traits as this package loads:
 * ``random`` — a rank's slice of one global random draw;
 * ``pipeline`` — a micro-batch's slice or term of a value;
 * ``rng`` — reading and setting the generator (recomputed and pipelined random ops);
-* ``optim`` — torch.optim's own update functions, one param or one param group per call.
+* ``optim`` — torch.optim's own update functions, one param or one param group per call;
+* ``amp`` — loss scaling's check for inf/nan and unscale, one read of each gradient.
 """
-from . import generator_state, optim, pipeline, sharded, sliced_draws  # noqa: F401
+from . import amp, generator_state, optim, pipeline, sharded, sliced_draws  # noqa: F401

@@ -128,3 +128,14 @@ def norms_of_every_input(op: Op, in_dists) -> frozenset[str]:
              if p.is_partial() and norm_order(p.op) is not None}
     return frozenset(norm for norm in found
                      if all(d is not None and Partial(norm) in d.placements for d in in_dists))
+
+
+@register("autopar.unscale_checked")
+def unscale_checked(op: Op) -> Spec:
+    """Loss scaling's ``(grad * inv_scale, found)``: the product keeps the gradient's
+    letters; ``found`` (whether max |g| is finite) composes over pieces as a max, so a
+    sharded gradient's flag is ``P(max)`` (one all-reduce of the combined flag settles it).
+    Not linear: a Partial gradient is summed first (an overflow of the sum is caught, as
+    eager's one-device gradient would be)."""
+    grad = letters(len(op.args[0].type.shape))
+    return Spec((grad, ""), (grad, ""), reduce=("max", "max"))
