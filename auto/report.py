@@ -69,6 +69,7 @@ def format_auto_plan(plan: "AutoPlan", chosen: bool = True, top: int | None = No
     rest = [e for e in plan.candidates if e not in fitting]
     for i, e in enumerate(shown + rest[:auto_top] if chosen else plan.candidates, 1):
         lines.append(candidate_row(i, e, limit))
+        lines += [f"       {note}" for note in e.notes]
     hidden = len(plan.candidates) - (len(shown) + min(len(rest), auto_top) if chosen
                                      else len(plan.candidates))
     if hidden > 0:

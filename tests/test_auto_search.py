@@ -183,6 +183,30 @@ def test_extending_two_cuts_predicts_the_whole_model(machine):
     assert extended.predicted.max_peak == pytest.approx(whole.max_peak, rel=0.05)
 
 
+def test_the_winner_is_planned_whole_and_fits_the_limit_the_engine_checks(machine):
+    """dp4 ZeRO-1 on GPT 4x128 extends from 1 and 2 layers to a peak under the limit while the
+    whole model's is over it (its second gradient bucket holds every layer past the first
+    MiB); the engine then refused the plan the search chose. Now the first is planned whole
+    before it wins."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    x = torch.randint(0, 128, (8, 64))
+    copy = twin(model)
+    dp4 = ap.Engine(copy, lm_loss, torch.optim.AdamW(copy.parameters()),
+                    strategy=ap.Strategy.from_yaml_str(
+                        "mesh: {shape: [4], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
+                        "debug: {simulate: true}\n"))
+    limit_gb = 0.75 * max(m.peak for m in dp4.cost(x, x).values()) / 2**30
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()),
+                       strategy=_auto(machine, 4, memory_limit_gb=limit_gb))
+    engine.prepare(x, x)                     # the engine's own limit check passes
+    plan = engine.auto_plan
+    assert plan.chosen.fits and plan.chosen.layers_planned == ()
+    whole = [e for e in plan.candidates if any("planned whole" in n for n in e.notes)]
+    assert any(not e.fits and e.layout.zero for e in whole)   # the ZeRO plan over the limit
+    assert max(m.peak for m in engine.cost(x, x).values()) <= limit_gb * 2**30
+
+
 def test_the_search_space():
     assert sorted(degree_triples(4, ("dp", "tp", "pp"))) == [
         (1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
