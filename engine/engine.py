@@ -34,6 +34,7 @@ from ..runtime import (
     LocalRuntime,
     compile_seconds,
     locate_divergence,
+    resolve_device,
 )
 from ..state import RunRecord, TrainState, export_full, load_checkpoint, save_checkpoint
 from ..strategy import Strategy
@@ -92,14 +93,18 @@ class Engine:
             raise ValueError(f"gradient_merge: {{k_steps: {merge.k_steps}}} accumulates "
                              "gradients for an optimizer step, but Engine(...) has no "
                              "optimizer: pass optimizer=..., or drop gradient_merge")
+        # where every process computes: the model's parameters and buffers move there first
+        self.device = resolve_device(self.strategy.device, self.launch.local_rank)
+        _place(model, self.device)
         self.state = TrainState(model, optimizer, lr_scheduler, init_fn)
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
             self.runtime = DistributedRuntime(
-                self.launch.rank, self.launch.world_size, _device(model),
+                self.launch.rank, self.launch.world_size, self.device,
                 timedelta(seconds=self.strategy.collective_timeout_s))
         else:
-            self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size)
+            self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size,
+                                        self.device)
         self.planner = self._planner(layout)
         self.history: dict[str, list[float]] = {}
         self.stop_training = False   # a callback sets it; fit checks it after each batch
@@ -270,7 +275,10 @@ class Engine:
         return step
 
     def _feeds(self, inputs: Any, labels: Any, mode: str) -> dict[str, Any]:
-        feeds = {f"batch/{i}": t for i, t in enumerate(flatten_batch(inputs, labels)[0])}
+        """The step's feeds: the batch's tensors on the device (copied without blocking: from
+        pinned memory the copy overlaps the host's next work), the param groups."""
+        feeds = {f"batch/{i}": _on(t, self.device)
+                 for i, t in enumerate(flatten_batch(inputs, labels)[0])}
         if mode == "train":
             feeds.update({f"param_groups/{i}": g
                           for i, g in enumerate(self.optimizer.param_groups)})
@@ -651,13 +659,21 @@ def _cycle_part(step: PlannedStep, accumulating: bool) -> PlannedStep:
     return step.accumulating
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    """Where the processes compute: the model's device (the CPU for a meta model: its
-    pieces are materialized there)."""
-    first = next(iter(model.parameters()), None)
-    if first is None or first.is_meta:
-        return torch.device("cpu")
-    return first.device
+def _place(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the model's parameters and buffers to ``device`` in place (the optimizer keeps
+    the same parameter objects), unless already there. A model on the meta device stays:
+    its pieces are made where the state is materialized."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        return
+    if any(t.device != device for t in tensors):
+        model.to(device)
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor) and value.device != device:
+        return value.to(device, non_blocking=True)
+    return value
 
 
 def _progress(verbose: int, log_freq: int) -> list[Callback]:

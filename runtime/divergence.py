@@ -23,7 +23,7 @@ from ..ir.attrs import COMM_TEXT
 from ..ir.dist import assemble, format_placements
 from ..ir.printer import value_names
 from ..lower.executable import Lowered
-from .seeding import forked_generator
+from .seeding import draw_generator, forked_generator
 from .simulator import call_op, initial_value, simulate_step
 
 __all__ = ["Divergence", "locate_divergence"]
@@ -90,12 +90,12 @@ class _Reference:
             else:
                 self.whole[op.outputs[0]] = self.whole[op.args[0]]
         else:
-            saved = torch.default_generator.get_state()
+            saved = draw_generator().get_state()
             if rng is not None:      # draw what the ranks drew, then leave the generator
-                torch.default_generator.set_state(rng)
+                draw_generator().set_state(rng)
             for v, x in zip(op.outputs, call_op(op, self.whole)):
                 self.whole[v] = x
-            torch.default_generator.set_state(saved)
+            draw_generator().set_state(saved)
 
     def _compare(self, op: Op, ops: dict, envs: dict) -> None:
         if op.target in _UNINITIALIZED:

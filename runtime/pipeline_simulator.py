@@ -25,7 +25,7 @@ from ..pipeline.phases import Phase
 from ..pipeline.timeline import timeline_events
 from .job_store import RankStore, cut_feeds
 from .rank_state import cut_piece
-from .seeding import eager_rng_states, forked_generator
+from .seeding import draw_generator, eager_rng_states, forked_generator
 from .simulator import call_op, communicate
 
 __all__ = ["PipelineSimulator", "PipelineDeadlock"]
@@ -164,7 +164,7 @@ class PipelineSimulator:
             elif first.kind is OpKind.CALL:
                 for c, op in ops.items():
                     if pending_rng is not None:     # every process draws what eager draws
-                        torch.default_generator.set_state(pending_rng)
+                        draw_generator().set_state(pending_rng)
                     for v, x in zip(op.outputs, call_op(op, envs[c])):
                         envs[c][v] = x
                 pending_rng = None

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..ir.dist import ProcessMesh
 
 __all__ = ["MeshAxisGroup", "MeshGroups", "check_launch", "init_distributed", "backend_for",
-           "p2p_group", "shutdown"]
+           "p2p_group", "shutdown", "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -171,3 +171,23 @@ def init_distributed(device: torch.device, expected_world_size: int, world: int,
         raise ValueError(f"the process group has {dist.get_world_size()} ranks, the strategy's "
                          f"mesh {expected_world_size}")
     return dist.get_rank(), dist.get_world_size()
+
+
+def resolve_device(choice: str, local_rank: int) -> torch.device:
+    """The device a process computes on for the strategy's ``device`` (``auto``: CUDA when
+    this machine has it): ``cuda:LOCAL_RANK`` or the CPU. ``cuda`` without CUDA is refused
+    here, before any process group or plan exists."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"strategy device: cuda, but this machine has no usable CUDA device "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}; "
+            "torch.cuda.is_available() is False): use device: cpu, or auto to take CUDA "
+            "where it exists")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"strategy device: cuda: LOCAL_RANK {local_rank} has no device here "
+                         f"({count} CUDA device(s)); launch at most {count} processes per "
+                         "node (torchrun --nproc-per-node)")
+    return torch.device("cuda", local_rank)

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..ir.kernels.generator_state import use_device
 from ..lower.executable import Lowered, PipelineProcess, RankProgram, StatePiece
 from .compiled import not_compiled
 from .cycle import CycleExecutor
@@ -63,8 +64,11 @@ def _processes(lowered: Lowered) -> int:
 class LocalRuntime:
     """Full tensors in this process, by state name (``state``: shared with the engine)."""
 
-    def __init__(self, state: dict[str, Any], simulate: bool, launched: int = 1):
+    def __init__(self, state: dict[str, Any], simulate: bool, launched: int = 1,
+                 device: torch.device | None = None):
         self.state, self.simulate, self.launched = state, simulate, launched
+        self.device = device or torch.device("cpu")
+        use_device(self.device)            # where this process's random ops draw
 
     def executor(self, lowered: Lowered, initial: Initial,
                  pieces: Pieces | None = None) -> Executor:
@@ -106,6 +110,7 @@ class DistributedRuntime:
     def __init__(self, rank: int, world: int, device: torch.device,
                  timeout: timedelta | None = None):
         self.rank, self.world, self.device = rank, world, device
+        use_device(device)
         self.timeout = timeout            # of every collective and message
         self.state: RankState | None = None
         self._mesh = None                 # the mesh (or full pipeline mesh) state lives on

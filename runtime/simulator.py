@@ -31,7 +31,7 @@ from ..lower.executable import (
     ScatterWait,
 )
 from ..reshard.simulate import apply_step
-from .seeding import forked_generator
+from .seeding import draw_generator, forked_generator
 
 __all__ = ["simulate_step", "SimulatedExecutor", "call_op", "communicate", "initial_value"]
 
@@ -153,10 +153,10 @@ def simulate_step(lowered: Lowered, feeds: dict[str, Any], state: dict[str, torc
                 # rank draws from the same generator state, which then advances once. Ask
                 # the global op: the local form's target (autopar.sliced_random) is not the
                 # global op, and ranks that drew in turn would draw unrelated numbers
-                rng = torch.default_generator.get_state() if draws_random(global_op) else None
+                rng = draw_generator().get_state() if draws_random(global_op) else None
                 for c, op in ops.items():
                     if rng is not None:
-                        torch.default_generator.set_state(rng)
+                        draw_generator().set_state(rng)
                     for v, x in zip(op.outputs, call_op(op, envs[c])):
                         envs[c][v] = x
             if observe is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -98,6 +98,10 @@ class Strategy(BaseModel):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     seed: int = Field(default=0, strict=True, ge=0, lt=2**64)  # what torch.manual_seed takes
+    # Where every process computes: ``cuda`` (device LOCAL_RANK: parameters, optimizer state
+    # and every fed batch there, NCCL between processes), ``cpu`` (gloo), ``auto``: CUDA when
+    # this machine has it. ``cuda`` on a machine without it is refused when the engine starts.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     # How long a rank waits in one collective or message before it fails (torch's default
     # for gloo and NCCL): a peer that hangs instead of dying stops the job after this long.
     collective_timeout_s: float = Field(default=1800.0, gt=0, le=7 * 24 * 3600)
