@@ -1,9 +1,10 @@
 """Turn what a user passes as data into global batches of ``(inputs, labels)``."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset
 
 from ..capture import batch_dim_of, batch_paths, flatten_batch
@@ -17,8 +18,10 @@ def _split_sample(batch: Any) -> tuple[Any, Any]:
 
 
 def batches(data: Dataset | DataLoader | Any, batch_size: int, collate_fn: Callable | None = None,
-            shuffle: bool = False, seed: int = 0) -> Iterator[tuple[Any, Any]]:
-    """Global batches in a deterministic order (shuffling, when asked, is seeded)."""
+            shuffle: bool = False, seed: int = 0, pin_memory: bool = False
+            ) -> Iterator[tuple[Any, Any]]:
+    """Global batches in a deterministic order (shuffling, when asked, is seeded); a loader
+    made here pins its batches when ``pin_memory`` (a CUDA device reads them)."""
     if isinstance(data, DataLoader):
         loader = data
     else:
@@ -26,9 +29,30 @@ def batches(data: Dataset | DataLoader | Any, batch_size: int, collate_fn: Calla
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         generator = torch.Generator().manual_seed(seed) if shuffle else None
         loader = DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=generator,
-                            collate_fn=collate_fn)
+                            collate_fn=collate_fn, pin_memory=pin_memory)
     for batch in loader:
         yield _split_sample(batch)
+
+
+def on_device(pairs: Iterable[tuple[Any, Any]], device: torch.device
+              ) -> Iterator[tuple[Any, Any]]:
+    """``pairs`` with every tensor on ``device``, one batch ahead: the next batch's copies
+    are issued (without blocking: from pinned memory they run on the copy engine) before the
+    current one is handed out, so on CUDA they overlap the current step. On the CPU, as
+    they come."""
+    if device.type == "cpu":
+        yield from pairs
+        return
+    ahead = None
+    for pair in pairs:
+        moved = pytree.tree_map(
+            lambda t: t.to(device, non_blocking=True)
+            if isinstance(t, torch.Tensor) and t.device != device else t, pair)
+        if ahead is not None:
+            yield ahead
+        ahead = moved
+    if ahead is not None:
+        yield ahead
 
 
 def batch_size_of(inputs: Any, batch_dim: int | dict[str, int] = 0) -> int:

@@ -40,7 +40,7 @@ from ..state import RunRecord, TrainState, export_full, load_checkpoint, save_ch
 from ..strategy import Strategy
 from .auto_strategy import auto_profile, plan_auto, with_auto
 from .callbacks import Callback, CallbackList, LRMonitor, ModelCheckpoint, ProgressBar
-from .data import batch_size_of, batches
+from .data import batch_size_of, batches, on_device
 from .launch import Launch
 from .offline import finish_offline_plan
 from .planner import PlannedStep, Planner, StepCost
@@ -95,7 +95,7 @@ class Engine:
                              "optimizer: pass optimizer=..., or drop gradient_merge")
         # where every process computes: the model's parameters and buffers move there first
         self.device = resolve_device(self.strategy.device, self.launch.local_rank)
-        _place(model, self.device)
+        _place(model, self.device, init_fn is not None)
         self.state = TrainState(model, optimizer, lr_scheduler, init_fn)
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
@@ -399,7 +399,8 @@ class Engine:
         for epoch in range(start, epochs):
             progress.epoch, progress.batch_in_epoch = epoch, skip
             hooks.call("on_epoch_begin", epoch, {})
-            data = batches(train_data, batch_size, collate_fn, shuffle, self.strategy.seed + epoch)
+            data = self._batches(train_data, batch_size, collate_fn, shuffle,
+                                 self.strategy.seed + epoch)
             logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip)}
             skip = 0
             if valid_data is not None and (epoch + 1) % valid_freq == 0:
@@ -419,6 +420,11 @@ class Engine:
         if self.strategy.debug.trace:
             self._write_trace()
         return self.history
+
+    def _batches(self, data, batch_size: int, collate_fn, shuffle: bool = False, seed: int = 0):
+        """Global batches on the engine's device, each copied while the step before runs."""
+        return on_device(batches(data, batch_size, collate_fn, shuffle, seed,
+                                 pin_memory=self.device.type == "cuda"), self.device)
 
     def _train_epoch(self, data, steps: int | None, hooks: CallbackList, skip: int = 0
                      ) -> float:
@@ -489,7 +495,8 @@ class Engine:
         totals: dict[str, float] = {}
         count = 0
         hooks.call("on_eval_begin", {})
-        for step, (inputs, labels) in enumerate(batches(valid_data, batch_size, collate_fn), 1):
+        data = self._batches(valid_data, batch_size, collate_fn)
+        for step, (inputs, labels) in enumerate(data, 1):
             if steps is not None and step > steps:
                 break
             loss, outputs = self._forward("eval", inputs, labels)
@@ -513,7 +520,8 @@ class Engine:
         hooks.set_params({"steps": steps, "verbose": verbose})
         hooks.call("on_predict_begin", {})
         outputs = []
-        for step, (inputs, labels) in enumerate(batches(test_data, batch_size, collate_fn), 1):
+        data = self._batches(test_data, batch_size, collate_fn)
+        for step, (inputs, labels) in enumerate(data, 1):
             if steps is not None and step > steps:
                 break
             outputs.append(self._forward("predict", inputs, None)[1])
@@ -659,12 +667,18 @@ def _cycle_part(step: PlannedStep, accumulating: bool) -> PlannedStep:
     return step.accumulating
 
 
-def _place(model: torch.nn.Module, device: torch.device) -> None:
+def _place(model: torch.nn.Module, device: torch.device, init_fn: bool) -> None:
     """Move the model's parameters and buffers to ``device`` in place (the optimizer keeps
-    the same parameter objects), unless already there. A model on the meta device stays:
-    its pieces are made where the state is materialized."""
+    the same parameter objects), unless already there."""
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.is_meta for t in tensors):
+        if device.type != "cpu":
+            # its pieces are drawn on the CPU, as model.to_empty(device="cpu") + its init
+            # path draws them; on a GPU eager would draw them from the CUDA generator
+            raise ValueError(
+                f"a model on the meta device with device: {device.type} is not supported "
+                "yet: its pieces are materialized on the CPU (issue 28); build the model on "
+                "the CPU or run with device: cpu")
         return
     if any(t.device != device for t in tensors):
         model.to(device)

@@ -102,3 +102,31 @@ def test_dropout_on_cuda_draws_eagers_masks():
 def test_the_simulator_runs_dp2_on_one_cuda_device_like_eager():
     _cuda_parity("device: cuda\nmesh: {shape: [2], dim_names: [dp]}\n"
                  "data_parallel: {axis: dp}\ndebug: {simulate: true}\n", dropout=0.1)
+
+
+def test_batches_go_to_the_device_one_ahead():
+    """Reading batch i+1 and issuing its copy happens before batch i is handed out (on CUDA
+    the copy then overlaps step i); the meta device stands in for a GPU here."""
+    from autopar.engine.data import on_device
+    read = []
+
+    def source():
+        for i in range(3):
+            read.append(i)
+            yield torch.full((2,), float(i)), {"y": torch.zeros(1)}
+    seen = []
+    for x, y in on_device(source(), torch.device("meta")):
+        seen.append((len(read), x.device.type, y["y"].device.type))
+    assert seen == [(2, "meta", "meta"), (3, "meta", "meta"), (3, "meta", "meta")]
+    cpu = list(on_device(source(), torch.device("cpu")))
+    assert len(cpu) == 3 and cpu[0][0].device.type == "cpu"
+
+
+def test_a_meta_model_on_cuda_is_refused_saying_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with torch.device("meta"):
+        model = parity_gpt("adamw")
+    with pytest.raises(ValueError, match="meta device with device: cuda is not supported yet"):
+        ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()),
+                  strategy=ap.Strategy.from_yaml_str("device: cuda"))
