@@ -96,6 +96,9 @@ class Engine:
         # where every process computes: the model's parameters and buffers move there first
         self.device = resolve_device(self.strategy.device, self.launch.local_rank)
         _place(model, self.device, init_fn is not None)
+        if self.device.type == "cuda":        # float32 means float32 unless amp.tf32 says
+            torch.backends.cuda.matmul.allow_tf32 = self.strategy.amp.tf32
+            torch.backends.cudnn.allow_tf32 = self.strategy.amp.tf32
         self.state = TrainState(model, optimizer, lr_scheduler, init_fn)
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):

@@ -250,7 +250,11 @@ class AmpConfig(Section):
     ``backoff_factor``, ``growth_interval``) or a fixed number; a step whose gradients hold
     an inf or nan on any rank is skipped (``passes/scale_loss.py``). ``loss_scale`` works
     without ``enable`` too: the step keeps the model's dtypes and only the loss is scaled,
-    as GradScaler scales an fp32 model's.
+    as GradScaler scales an fp32 model's. ``tf32``: on CUDA, whether float32 matmuls and
+    convolutions may run as TensorFloat-32 (``torch.backends.cuda.matmul.allow_tf32`` and
+    ``torch.backends.cudnn.allow_tf32``, process-wide, set by the engine when it computes
+    on CUDA): off by default, so float32 means float32 and a run equals eager fp32 to
+    1e-5; on, Ampere-and-later matmuls run several times faster at 10-bit mantissas.
     """
 
     SECTION: ClassVar[str] = "amp"
@@ -263,6 +267,7 @@ class AmpConfig(Section):
     growth_factor: Annotated[float, Field(strict=True, gt=1)] = 2.0
     backoff_factor: Annotated[float, Field(strict=True, gt=0, lt=1)] = 0.5
     growth_interval: PositiveInt = 2000
+    tf32: StrictBool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> AmpConfig:

@@ -130,3 +130,10 @@ def test_a_meta_model_on_cuda_is_refused_saying_why(monkeypatch):
     with pytest.raises(ValueError, match="meta device with device: cuda is not supported yet"):
         ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()),
                   strategy=ap.Strategy.from_yaml_str("device: cuda"))
+
+
+def test_tf32_is_explicit_in_the_strategy():
+    assert ap.Strategy().amp.tf32 is False
+    assert ap.Strategy.from_yaml_str("amp: {tf32: true}").amp.tf32 is True
+    with pytest.raises(ValueError):
+        ap.Strategy.from_yaml_str("amp: {tf32: 1}")     # strict: a bool, not a number
