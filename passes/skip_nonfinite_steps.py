@@ -8,7 +8,10 @@ moves as ``torch.amp.GradScaler.update`` moves it.
   optimizers do with the ``found_inf`` GradScaler hands them. Not ``where(found_inf, old,
   new)`` after the update: the update kernels (torch.optim's own functions) write the
   parameter and its state in place, so keeping the old values would copy every parameter and
-  optimizer state each step.
+  optimizer state each step. Under ``compile:`` the kernel cannot read the flag on the
+  host inside one graph; there it does select the old values where the flag is set, on
+  the functional graph, where Inductor fuses the select into the update
+  (``ir/kernels/optim.py``).
 * ``loss_scale: dynamic``: ``torch._amp_update_scale_``'s rule, traced as ATen ops (placed
   replicated like the scalars they are): an inf/nan multiplies the scale by
   ``backoff_factor`` and restarts the count of clean steps; ``growth_interval`` clean steps

@@ -213,6 +213,19 @@ def test_an_inf_skips_the_step_on_every_rank_and_halves_the_scale(where):
     _assert_skipped_unchanged(got, INF_STEP)
 
 
+def test_a_compiled_step_skips_the_inf_step_as_grad_scaler_does():
+    """compile: {enable: true}: inside one compiled graph the optimizer cannot read the flag
+    on the host (a data-dependent branch, refused; it failed to compile before), so the
+    update runs and keeps the old values where the flag is set. The same steps skip, the
+    same scales follow, and what the skipped step left is bit for bit what it found."""
+    scaler = dict(init_scale=4.0, growth_interval=2)
+    got, want = _run_both("loss_scale: dynamic, init_scale: 4.0, growth_interval: 2", scaler,
+                          mesh="compile: {enable: true}\n", optim=torch.optim.Adam)
+    assert got["skipped"] == [s == INF_STEP for s in range(STEPS)]
+    _assert_history(got, want, exact=False)
+    _assert_skipped_unchanged(got, INF_STEP)
+
+
 def test_a_fixed_scale_never_changes_and_still_skips():
     """``loss_scale: 1024``: Megatron's constant scaler; eager is GradScaler put back to
     1024 after every step."""

@@ -31,14 +31,44 @@ def _skipped(found_inf: torch.Tensor | None) -> bool:
     return found_inf is not None and bool(found_inf)    # a sync, as GradScaler.step's
 
 
+def _guarded(found_inf: torch.Tensor | None, tensors: list, update) -> bool:
+    """Run ``update`` (which writes ``tensors`` in place) unless ``found_inf`` is set; True
+    when it ran. Eagerly the flag is read on the host, as GradScaler.step reads it. While
+    ``torch.compile`` traces, reading it would be a data-dependent branch (refused by a full
+    graph): there the update always runs and each tensor keeps its old value where the
+    flag is set, ``torch.where`` on the functional graph, which Inductor fuses into the
+    update (no copy survives)."""
+    if found_inf is None or not torch.compiler.is_compiling():
+        if _skipped(found_inf):
+            return False
+        update()
+        return True
+    old = [t.clone() for t in tensors]
+    update()
+    skip = found_inf.bool()
+    for t, before in zip(tensors, old):
+        t.copy_(torch.where(skip, before, t))
+    return True
+
+
 def sgd_group(params, grads, group, momentum_buffers, found_inf=None):
     buffers = list(momentum_buffers)
-    if _skipped(found_inf):
-        return list(zip(params, buffers))
-    _sgd(list(params), list(grads), buffers, weight_decay=group["weight_decay"],
-         momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
-         nesterov=group["nesterov"], maximize=group["maximize"], has_sparse_grad=False,
-         foreach=group.get("foreach"), fused=group.get("fused"))
+    if found_inf is not None and torch.compiler.is_compiling() and group["momentum"] != 0 \
+            and any(b is None for b in buffers):
+        # the first step makes the buffers from the gradients; a skipped one must leave
+        # them absent, which no tensor op can say
+        raise NotImplementedError(
+            "compiled SGD with momentum under loss scaling before its momentum buffers "
+            "exist; compile: {fallback: eager}, or an SGD step before compiling")
+
+    def update() -> None:
+        _sgd(list(params), list(grads), buffers, weight_decay=group["weight_decay"],
+             momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
+             nesterov=group["nesterov"], maximize=group["maximize"], has_sparse_grad=False,
+             foreach=group.get("foreach"), fused=group.get("fused"))
+    written = list(params) + ([b for b in buffers if b is not None]
+                              if group["momentum"] != 0 else [])
+    _guarded(found_inf, written, update)
     return list(zip(params, buffers))
 
 
@@ -49,18 +79,19 @@ def sgd_update(param, grad, group, momentum_buffer, found_inf=None):
 
 def adam_group(params, grads, group, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs=(),
                found_inf=None):
-    if _skipped(found_inf):
-        return _per_param(params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, group)
     beta1, beta2 = group["betas"]
     params, grads = list(params), list(grads)
-    _adam(params, grads, list(exp_avgs), list(exp_avg_sqs),
-          list(max_exp_avg_sqs) if group["amsgrad"] else [], list(steps),
-          amsgrad=group["amsgrad"], has_complex=any(torch.is_complex(p) for p in params),
-          beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-          eps=group["eps"], maximize=group["maximize"], foreach=group.get("foreach"),
-          capturable=group.get("capturable", False),
-          differentiable=group.get("differentiable", False), fused=group.get("fused"),
-          decoupled_weight_decay=group.get("decoupled_weight_decay", False))
+    maxima = list(max_exp_avg_sqs) if group["amsgrad"] else []
+
+    def update() -> None:
+        _adam(params, grads, list(exp_avgs), list(exp_avg_sqs), maxima, list(steps),
+              amsgrad=group["amsgrad"], has_complex=any(torch.is_complex(p) for p in params),
+              beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+              eps=group["eps"], maximize=group["maximize"], foreach=group.get("foreach"),
+              capturable=group.get("capturable", False),
+              differentiable=group.get("differentiable", False), fused=group.get("fused"),
+              decoupled_weight_decay=group.get("decoupled_weight_decay", False))
+    _guarded(found_inf, [*params, *exp_avgs, *exp_avg_sqs, *steps, *maxima], update)
     return _per_param(params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, group)
 
 
