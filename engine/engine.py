@@ -95,7 +95,7 @@ class Engine:
                              "optimizer: pass optimizer=..., or drop gradient_merge")
         # where every process computes: the model's parameters and buffers move there first
         self.device = resolve_device(self.strategy.device, self.launch.local_rank)
-        _place(model, self.device, init_fn is not None)
+        _place(model, self.device)
         if self.device.type == "cuda":        # float32 means float32 unless amp.tf32 says
             torch.backends.cuda.matmul.allow_tf32 = self.strategy.amp.tf32
             torch.backends.cudnn.allow_tf32 = self.strategy.amp.tf32
@@ -279,7 +279,9 @@ class Engine:
 
     def _feeds(self, inputs: Any, labels: Any, mode: str) -> dict[str, Any]:
         """The step's feeds: the batch's tensors on the device (copied without blocking: from
-        pinned memory the copy overlaps the host's next work), the param groups."""
+        pinned memory the copy overlaps the host's next work), the param groups. Random ops
+        draw on that device from here (engines in one process may use different ones)."""
+        self.runtime.draw_on_device()
         feeds = {f"batch/{i}": _on(t, self.device)
                  for i, t in enumerate(flatten_batch(inputs, labels)[0])}
         if mode == "train":
@@ -670,7 +672,7 @@ def _cycle_part(step: PlannedStep, accumulating: bool) -> PlannedStep:
     return step.accumulating
 
 
-def _place(model: torch.nn.Module, device: torch.device, init_fn: bool) -> None:
+def _place(model: torch.nn.Module, device: torch.device) -> None:
     """Move the model's parameters and buffers to ``device`` in place (the optimizer keeps
     the same parameter objects), unless already there."""
     tensors = [*model.parameters(), *model.buffers()]

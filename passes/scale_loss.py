@@ -14,9 +14,9 @@ The math is ``torch.amp.GradScaler``'s, so an fp32 run equals eager GradScaler t
   (``torch._amp_foreach_non_finite_check_and_unscale_``).
 
 Check and unscale read each gradient once: ``autopar.unscale_checked(g, inv_scale)`` gives
-``g * inv_scale`` and whether max |g| is finite (``ir/kernels/amp.py``; a rank's code runs a
-run of them as two foreach calls, as ``GradScaler.unscale_`` runs a param group), and the
-per-gradient flags are stacked and their max taken (traced as ATen ops). A gradient sharded
+``g * inv_scale`` and whether ``g`` holds an inf or nan (GradScaler's own kernel on a copy,
+``ir/kernels/amp.py``), and the per-gradient flags are stacked and their max taken (traced
+as ATen ops). A gradient sharded
 over a mesh axis (tensor parallel, ZeRO-2) checks its piece, which makes its flag
 ``Partial(max)`` (``spmd/rules/reduction.py``): one all-reduce of the combined flag settles
 every rank's. Under plain data parallelism the gradients are all-reduced anyway (an inf or

@@ -68,7 +68,7 @@ class LocalRuntime:
                  device: torch.device | None = None):
         self.state, self.simulate, self.launched = state, simulate, launched
         self.device = device or torch.device("cpu")
-        use_device(self.device)            # where this process's random ops draw
+        self.draw_on_device()
 
     def executor(self, lowered: Lowered, initial: Initial,
                  pieces: Pieces | None = None) -> Executor:
@@ -94,6 +94,11 @@ class LocalRuntime:
         return ProgramExecutor(lowered.process(0), self.state, compile=lowered.compile,
                                random_ops=lowered.random_ops)
 
+    def draw_on_device(self) -> None:
+        """Random ops and generator states of this process's programs on this runtime's
+        device's generator."""
+        use_device(self.device)
+
     def names(self) -> list[str]:
         return sorted(self.state)
 
@@ -110,10 +115,13 @@ class DistributedRuntime:
     def __init__(self, rank: int, world: int, device: torch.device,
                  timeout: timedelta | None = None):
         self.rank, self.world, self.device = rank, world, device
-        use_device(device)
+        self.draw_on_device()
         self.timeout = timeout            # of every collective and message
         self.state: RankState | None = None
         self._mesh = None                 # the mesh (or full pipeline mesh) state lives on
+
+    def draw_on_device(self) -> None:
+        use_device(self.device)
 
     def agree(self, make: Callable[[], str]) -> str:
         """Rank 0's ``make()``, on every rank: the others wait for it (joining the launch's
