@@ -158,10 +158,16 @@ def _hoist_accumulations(program: Program) -> None:
             if op.kind is OpKind.COMM and isinstance(op.attrs.get(RESHARD_STEP), AllReduce)
             and _over_micro_batches(op) and op.attrs.get(FOR_ROLE) is Role.OPTIMIZER
             and op.args[0].producer is not None and op.args[0].producer.kind is OpKind.CALL]
+    after: dict[Op, list[Op]] = {}
     for op in sums:
-        ops = [o for o in program.ops if o is not op]
-        at = ops.index(op.args[0].producer) + 1
-        program.ops = ops[:at] + [op] + ops[at:]
+        after.setdefault(op.args[0].producer, []).append(op)
+    moved = set(sums)
+    ops = []
+    for op in program.ops:            # one pass: planning stays linear in the program
+        if op not in moved:
+            ops.append(op)
+            ops += after.get(op, [])
+    program.ops = ops
 
 
 def _stage_of(comm: Op) -> int | None:
