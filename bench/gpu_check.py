@@ -14,6 +14,9 @@ a row that would start past the budget is reported as not run):
   judged against eager's own distance from its fp32 run (the dtype's tolerance, not ours);
 * simulator dp2 x tp2 (Megatron plan) and pp2 1F1B on the one GPU against eager, fp32;
 * memory: ``Engine.cost`` peak against ``torch.cuda.max_memory_allocated`` of a step;
+* offload (``sharding: {offload: {optimizer: true, params: true}}``): parity as the serial
+  row, and the device's measured peak against the same step without offload and against
+  the estimate;
 * speed: a ~125M-parameter GPT (12 x 768, vocab 50304, seq 1024) in bf16, median step of
   eager, ``torch.compile``d eager, autopar, autopar with ``compile: {enable: true}``;
 * calibration: ``python -m autopar calibrate --quick`` on this machine, its time and what
@@ -80,7 +83,9 @@ def _autopar(model, batches, yaml: str = "") -> tuple[list[float], object]:
     from autopar.models.gpt import lm_loss
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
                        strategy=ap.Strategy.from_yaml_str(yaml or "{}"))
-    return [engine.train_step(x, y) for x, y in batches], engine
+    losses = [engine.train_step(x, y) for x, y in batches]
+    engine.sync_model()      # offloaded or moved state back into the model's own tensors
+    return losses, engine
 
 
 def _max_rel(a, b) -> float:
@@ -166,6 +171,41 @@ def row_memory() -> tuple[bool, str]:
                                 f"{measured / 2**20:.1f} MiB ({100 * error:+.1f}%)")
 
 
+def row_offload_parity() -> tuple[bool, str]:
+    return _parity("sharding: {offload: {optimizer: true, params: true}}\n")
+
+
+def _device_peak(yaml: str) -> tuple[int, int, int]:
+    """(predicted device peak, measured max_memory_allocated, predicted host bytes) of a
+    step of the memory row's GPT under ``yaml``."""
+    import autopar as ap
+    from autopar.models.gpt import lm_loss
+    model = _gpt(layers=4, width=256, heads=8, vocab=1024, seq=256).cuda()
+    x, y = _batches(1024, 256, 8, 1, "cuda")[0]
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=ap.Strategy.from_yaml_str(yaml or "{}"))
+    engine.train_step(x, y)
+    estimate = engine.cost(x, y)[0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    engine.train_step(x, y)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    del engine, model
+    torch.cuda.empty_cache()
+    return estimate.peak, measured, estimate.host
+
+
+def row_offload_memory() -> tuple[bool, str]:
+    _, kept, _ = _device_peak("")
+    predicted, measured, host = _device_peak(
+        "sharding: {offload: {optimizer: true, params: true}}\n")
+    error = predicted / measured - 1
+    return abs(error) <= 0.10 and measured < kept, (
+        f"device peak {kept / 2**20:.1f} -> {measured / 2**20:.1f} MiB offloaded (predicted "
+        f"{predicted / 2**20:.1f}, {100 * error:+.1f}%; host {host / 2**20:.1f} MiB)")
+
+
 def _median_step(step: Callable[[], object], n: int = 10, warmup: int = 3) -> float:
     for _ in range(warmup):
         step()
@@ -237,6 +277,8 @@ ROWS: list[tuple[str, Callable[[], tuple[bool, str]], bool]] = [
     ("simulator dp2 x tp2 vs eager", row_sim_dp_tp, False),
     ("simulator pp2 1F1B vs eager", row_sim_pp, False),
     ("memory estimate vs max_memory_allocated", row_memory, False),
+    ("offload (optimizer + params) parity vs eager", row_offload_parity, False),
+    ("offload: device peak vs kept, estimate", row_offload_memory, False),
     ("calibration (--quick)", row_calibrate, False),
     ("125M GPT bf16 step time", row_speed, True),
 ]

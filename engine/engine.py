@@ -95,7 +95,8 @@ class Engine:
                              "optimizer: pass optimizer=..., or drop gradient_merge")
         # where every process computes: the model's parameters and buffers move there first
         self.device = resolve_device(self.strategy.device, self.launch.local_rank)
-        _place(model, self.device)
+        offload = self.strategy.sharding.offload if self.strategy.sharding else None
+        _place(model, self.device, params_on_host=offload is not None and offload.params)
         if self.device.type == "cuda":        # float32 means float32 unless amp.tf32 says
             torch.backends.cuda.matmul.allow_tf32 = self.strategy.amp.tf32
             torch.backends.cudnn.allow_tf32 = self.strategy.amp.tf32
@@ -672,21 +673,24 @@ def _cycle_part(step: PlannedStep, accumulating: bool) -> PlannedStep:
     return step.accumulating
 
 
-def _place(model: torch.nn.Module, device: torch.device) -> None:
+def _place(model: torch.nn.Module, device: torch.device, params_on_host: bool = False
+           ) -> None:
     """Move the model's parameters and buffers to ``device`` in place (the optimizer keeps
-    the same parameter objects), unless already there."""
-    tensors = [*model.parameters(), *model.buffers()]
-    if any(t.is_meta for t in tensors):
-        if device.type != "cpu":
-            # its pieces are drawn on the CPU, as model.to_empty(device="cpu") + its init
-            # path draws them; on a GPU eager would draw them from the CUDA generator
-            raise ValueError(
-                f"a model on the meta device with device: {device.type} is not supported "
-                "yet: its pieces are materialized on the CPU (issue 28); build the model on "
-                "the CPU or run with device: cpu")
+    the same parameter objects), unless already there; ``params_on_host``
+    (``sharding.offload.params``): the parameters go to the host instead. A model on the
+    meta device stays there: each process's pieces are drawn on the CPU, as
+    ``model.to_empty(device="cpu")`` + its init path draws them, and then placed where
+    they live (``runtime.at_home``)."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         return
-    if any(t.device != device for t in tensors):
-        model.to(device)
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[key] = buffer.to(device)
+        home = torch.device("cpu") if params_on_host else device
+        for param in module._parameters.values():
+            if param is not None and param.device != home:
+                param.data = param.data.to(home)
 
 
 def _on(value: Any, device: torch.device) -> Any:

@@ -22,7 +22,8 @@ What the IR itself records:
   dims it pins (all when absent) and who made it;
 * ``COMM_TEXT`` — a comm op's collective in words, for dumps;
 * ``LOCAL_NOTE`` — why a rank's call differs from the global one;
-* ``DECOMPOSES`` — which fused op a decomposition replaced.
+* ``DECOMPOSES`` — which fused op a decomposition replaced;
+* ``ON_HOST`` — a state kept in host memory (``sharding.offload``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from .dist import DistAttr
 
 __all__ = ["StateKind", "StateKey", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME",
            "BATCH_PATH", "REGROUP_DIMS", "STATE", "FILL", "SLOTS", "CONST", "MULTI", "STRIDES",
-           "DIST", "PINNED_DIMS", "ORIGIN", "COMM_TEXT", "LOCAL_NOTE", "DECOMPOSES", "check_attrs"]
+           "DIST", "PINNED_DIMS", "ORIGIN", "COMM_TEXT", "LOCAL_NOTE", "DECOMPOSES", "ON_HOST",
+           "check_attrs"]
 
 T = TypeVar("T")
 
@@ -205,3 +207,5 @@ LOCAL_NOTE: Attr[str] = Attr("local_note", str, "why a rank's call differs from 
                              "one", shown=True)
 DECOMPOSES: Attr[str] = Attr("decomposes", str, "the fused op a decomposition replaced",
                              shown=True)
+ON_HOST: Attr[bool] = Attr("on_host", bool, "a state kept in host memory, not the device's "
+                           "(sharding.offload: passes/offload_states.py)", shown=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .attrs import NAME, SLOTS, STATE
+from .attrs import NAME, ON_HOST, SLOTS, STATE
 from .core import Op, OpKind, Program, Value
 
 
@@ -61,7 +61,8 @@ def _format_op(op: Op, name: _Namer) -> str:
     if op.kind is OpKind.INPUT:
         return f"{lhs} = input {op.attrs[NAME]!r}"
     if op.kind is OpKind.STATE:
-        return f"{lhs} = state {op.attrs[STATE].kind.value} {op.attrs[NAME]!r}"
+        home = " {on_host}" if op.attrs.get(ON_HOST) else ""
+        return f"{lhs} = state {op.attrs[STATE].kind.value} {op.attrs[NAME]!r}{home}"
     lhs = f"{lhs} = " if lhs else ""      # a send, an RNG restore: no results
     args = [_format_arg(a, name) for a in op.args]
     args += [f"{k}={_format_arg(v, name)}" for k, v in op.kwargs.items()]

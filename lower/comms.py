@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..ir import Op, OpKind, Role
-from ..ir.attrs import CONST, FILL, STATE, StateKind
+from ..ir.attrs import CONST, FILL, ON_HOST, STATE, StateKind
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, local_shape
 from ..reshard import plan_reshard
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
@@ -110,4 +110,4 @@ def state_piece(op: Op, coordinate: Sequence[int], owner: int | None = None) -> 
     gather = () if value.dist is None else _gather_steps(
         shape, value.dist, value.type.dtype.itemsize, coordinate)
     return StatePiece(key, shape, value.type.dtype, value.dist, tuple(coordinate), const,
-                      gather, owner, op.attrs.get(FILL))
+                      gather, owner, op.attrs.get(FILL), op.attrs.get(ON_HOST, False))

@@ -129,6 +129,7 @@ class StatePiece:
     owner: int | None = None         # pipelines: the pp position whose copy is the value
     fill: float | None = None        # a fresh value's every element (None: from the model,
                                      # the optimizer or ``const``)
+    on_host: bool = False            # kept in host memory (sharding.offload), not the device's
 
     @property
     def name(self) -> str:

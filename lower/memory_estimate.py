@@ -11,7 +11,9 @@ Computed from a process's lowered program alone (local shapes and dtypes; nothin
 * communication buffers are the results of comm ops, and what a started collective holds
   until its wait (a gradient bucket's flat copy, a ZeRO-3 gather's buffer);
 * a pipeline process's jobs: the activations held between jobs (carries of every
-  micro-batch in flight, replayed over the process's job order) plus the job's own peak.
+  micro-batch in flight, replayed over the process's job order) plus the job's own peak;
+* offloaded state (``sharding.offload``), the host copies the step makes and the updates
+  computed from them live in host memory: counted in ``host``, not in the device's peak.
 
 The predicted peak is the largest, over the program's points (after each op, before its
 dead inputs are freed), of state bytes plus live bytes. Kernels' internal scratch memory
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ir import OpKind, Program, Value
-from ..ir.attrs import NAME, STATE, StateKind
+from ..ir.attrs import NAME, ON_HOST, STATE, StateKind
+from ..ir.kernels.offload import before_copies
 from ..ir.ops import op_info
 from ..ir.printer import value_names
 from ..pipeline.jobs import STEP
@@ -32,7 +35,7 @@ from ..reshard.steps import AllGather
 from .comms import by_gather
 from .executable import Lowered, PipelineProcess, RankProgram
 
-__all__ = ["Holder", "MemoryEstimate", "estimate_memory", "estimate_process",
+__all__ = ["Holder", "MemoryEstimate", "estimate_memory", "estimate_process", "host_values",
            "MemoryLimitError", "check_memory_limit", "format_estimates", "STATE_CATEGORIES"]
 
 _GIB = 1024 ** 3
@@ -67,12 +70,13 @@ class MemoryEstimate:
     buffers: int = 0                 # module buffers and constants
     activations: int = 0             # peak of live values that are neither state nor grads
     comm_buffers: int = 0            # peak of live results of comm ops
-    peak: int = 0
+    peak: int = 0                    # the device's
+    host: int = 0                    # offloaded state and the step's host copies at their peak
     holders: list[Holder] = field(default_factory=list)    # biggest at the peak, largest first
 
-    def row(self) -> str:
+    def row(self, host: bool = False) -> str:
         cells = [self.params, self.grads, self.optimizer_state, self.buffers,
-                 self.activations, self.comm_buffers, self.peak]
+                 self.activations, self.comm_buffers, self.peak] + ([self.host] if host else [])
         return f"{self.process:>4} " + " ".join(f"{_fmt(c):>10}" for c in cells)
 
 
@@ -85,10 +89,13 @@ def _fmt(n: int) -> str:
 
 def format_estimates(estimates: dict[int, MemoryEstimate]) -> str:
     """The per-rank table (``engine.cost``, the ``plan`` CLI, the ``memory`` dump)."""
+    host = any(e.host for e in estimates.values())     # a column only where offload is on
     head = (f"{'rank':>4} " + " ".join(f"{h:>10}" for h in (
-        "params", "grads", "optim", "buffers", "activ", "comm", "peak")))
-    return "\n".join(["memory per rank (predicted):", head]
-                     + [estimates[p].row() for p in sorted(estimates)])
+        "params", "grads", "optim", "buffers", "activ", "comm", "peak")
+        + (("host",) if host else ())))
+    title = "memory per rank (predicted" + ("; the categories and peak: the device's)" if host
+                                            else ")") + ":"
+    return "\n".join([title, head] + [estimates[p].row(host) for p in sorted(estimates)])
 
 
 def value_bytes(v: Value) -> int:
@@ -113,7 +120,9 @@ def _aliases(program: Program) -> dict[Value, Value]:
     for op in program.ops:
         tensors = [v for v in op.inputs if v.is_tensor]
         info = op_info(op.target) if op.kind is OpKind.CALL else None
-        if info is not None and info.view and tensors:
+        if op.target == "autopar.host_ready":          # waits, and hands its inputs on
+            root.update({v: root.get(a, a) for v, a in zip(op.outputs, op.args)})
+        elif info is not None and info.view and tensors:
             for v in op.outputs:
                 if v.is_tensor:
                     root[v] = root.get(tensors[0], tensors[0])
@@ -166,6 +175,20 @@ def _schema_written(op, schema) -> list[Value | None]:
     return found
 
 
+def host_values(program: Program) -> set[Value]:
+    """The values in host memory (``sharding.offload``): offloaded state, the host copies
+    and what is computed from them (the updates), but not a copy back to the device."""
+    host: set[Value] = set()
+    for op in program.ops:
+        if op.kind is OpKind.STATE and op.attrs.get(ON_HOST):
+            host.update(op.outputs)
+        elif op.kind is OpKind.CALL and op.target != "autopar.to_device" and (
+                op.target in ("autopar.to_host", "autopar.host_ready")
+                or any(v in host for v in op.inputs)):
+            host.update(v for v in op.outputs if v.is_tensor)
+    return host
+
+
 def _is_state(v: Value) -> bool:
     return v.producer is not None and v.producer.kind is OpKind.STATE
 
@@ -211,7 +234,7 @@ def _grads(program: Program) -> set[Value]:
     found = {v for slot, v in program.results() if slot.kind == "grad" and v.is_tensor}
     for op in program.ops_of(OpKind.CALL):
         if op.target.startswith("optim.") and len(op.args) > 1 and isinstance(op.args[1], Value):
-            found.add(op.args[1])
+            found.add(before_copies(op.args[1]))     # the device's gradient, not its host copy
     return found
 
 
@@ -225,6 +248,8 @@ class _Liveness:
     grads_peak: int
     activations_peak: int
     comm_peak: int
+    host_state: int = 0                    # offloaded state's bytes (not in ``state``)
+    host_peak: int = 0                     # largest live bytes of host copies at a point
 
 
 def _liveness(program: Program, extra: int = 0, carried: frozenset[str] = frozenset()
@@ -235,22 +260,29 @@ def _liveness(program: Program, extra: int = 0, carried: frozenset[str] = frozen
     sizes = _buffer_bytes(program)
     last = _last_uses(program, root, sizes)
     grads = {root.get(g, g) for g in _grads(program)}
+    host = host_values(program)
     state = {op.result: value_bytes(op.result) for op in program.ops_of(OpKind.STATE)
              if op.result.is_tensor}
+    host_state = {v: state.pop(v) for v in list(state) if v in host}
     outside = {op.result for op in program.ops_of(OpKind.INPUT) if op.attrs[NAME] in carried}
     live: dict[Value, int] = {}
+    live_host: dict[Value, int] = {}
     comm: set[Value] = set()
-    best = _Liveness(state, 0, {}, 0, 0, 0)
+    best = _Liveness(state, 0, {}, 0, 0, 0, sum(host_state.values()))
     dying: dict[int, list[Value]] = {}
     for r, i in last.items():
         dying.setdefault(i, []).append(r)
     for i, op in enumerate(program.ops):
         for v in op.outputs:
             r = root.get(v, v)
-            if v in sizes and r not in state and r not in outside and r not in live:
+            if r in host:
+                if v in sizes and r not in host_state:
+                    live_host[r] = sizes[r]
+            elif v in sizes and r not in state and r not in outside and r not in live:
                 live[r] = sizes[r]
                 if op.kind is OpKind.COMM:
                     comm.add(r)
+        best.host_peak = max(best.host_peak, sum(live_host.values()))
         total = sum(live.values()) + extra
         g = sum(b for r, b in live.items() if r in grads)
         c = sum(b for r, b in live.items() if r in comm)
@@ -261,12 +293,13 @@ def _liveness(program: Program, extra: int = 0, carried: frozenset[str] = frozen
             best.peak_live, best.at_peak = total, dict(live)
         for r in dying.get(i, ()):
             live.pop(r, None)
+            live_host.pop(r, None)
     return best
 
 
 def _categorize(est: MemoryEstimate, program: Program, live: _Liveness) -> None:
     for op in program.ops_of(OpKind.STATE):
-        if op.result.is_tensor:
+        if op.result.is_tensor and op.result in live.state:       # the device's
             cat = STATE_CATEGORIES.get(op.attrs[STATE].kind, "buffers")
             setattr(est, cat, getattr(est, cat) + value_bytes(op.result))
 
@@ -297,6 +330,7 @@ def estimate_process(made: RankProgram | PipelineProcess) -> MemoryEstimate:
     est.grads += sum(value_bytes(g) for g in _grads(made.program))
     est.activations, est.comm_buffers = live.activations_peak, live.comm_peak
     est.peak = sum(live.state.values()) + live.peak_live
+    est.host = live.host_state + live.host_peak
     est.holders = _holders(made.program, live)
     return est
 
@@ -316,7 +350,8 @@ def _pipeline_estimate(made: PipelineProcess) -> MemoryEstimate:
         _finish(rank, job.phase, values, terms)
         for op in program.ops_of(OpKind.STATE):
             if op.result.is_tensor:
-                states.setdefault(op.attrs[NAME], (op.attrs[STATE].kind, value_bytes(op.result)))
+                kind = "host" if op.attrs.get(ON_HOST) else op.attrs[STATE].kind
+                states.setdefault(op.attrs[NAME], (kind, value_bytes(op.result)))
         held = sum(values.values()) + sum(terms.values())
         carried = frozenset(key for key, _ in rank.carried_in.get(job, ()))
         live = _liveness(program, held, carried)
@@ -325,11 +360,12 @@ def _pipeline_estimate(made: PipelineProcess) -> MemoryEstimate:
         est.grads = max(est.grads, sum(value_bytes(g) for g in _grads(program)))
         est.comm_buffers = max(est.comm_buffers, live.comm_peak)
         est.activations = max(est.activations, live.activations_peak + held)
+        est.host = max(est.host, live.host_peak)
         _absorb(rank, job, program, carried, values, terms)
     for kind, size in states.values():
-        cat = STATE_CATEGORIES.get(kind, "buffers")
+        cat = "host" if kind == "host" else STATE_CATEGORIES.get(kind, "buffers")
         setattr(est, cat, getattr(est, cat) + size)
-    est.peak = sum(size for _, size in states.values()) + best
+    est.peak = sum(size for kind, size in states.values() if kind != "host") + best
     if best_job is not None:
         est.holders = _holders(*best_job)
     return est

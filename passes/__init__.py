@@ -24,6 +24,7 @@ rank's program from the result.
     bucket_collectives, join_gradients           fewer, larger, asynchronous collectives
     regather_for_backward, prefetch_gathers,     ZeRO's gathers and early reduce-scatters
       scatter_gradients_early, gather_updates
+    offload_states                               state kept in host memory, updated there
     assign_phases, schedule_pipeline             a pipeline's phases and job order
 """
 from ..ir import Program
@@ -43,6 +44,7 @@ from .gather_updates import gather_updates
 from .gradient_reduce_dtype import format_casts, gradient_reduce_dtype
 from .join_gradients import join_gradients
 from .merge_gradients import merge_gradients
+from .offload_states import offload_states
 from .optimizer_updates import optimizer_updates
 from .pin_annotations import pin_annotations
 from .prefetch_gathers import prefetch_gathers
@@ -112,6 +114,7 @@ PIPELINE: tuple[Pass, ...] = (
           implements=ZERO),
     _pass("gather_updates", gather_updates, needs=(F.RESHARDED,), implements=ZERO),
     _pass("join_gradients", join_gradients, needs=(F.RESHARDED, F.STAGES)),
+    _pass("offload_states", offload_states, needs=(F.RESHARDED,), implements=ZERO),
     _pass("assign_phases", assign_phases, needs=(F.RESHARDED, F.STAGES), makes=(F.PHASES,),
           implements=PIPE),
     _pass("schedule_pipeline", schedule_pipeline, needs=(F.PHASES,), makes=(F.SCHEDULE,),

@@ -28,6 +28,7 @@ from __future__ import annotations
 from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import COMM_TEXT, NAME, SLOTS, STATE
 from ..ir.dist import micro_batch_dim
+from ..ir.kernels.offload import before_copies
 from ..ir.printer import value_names
 from ..pipeline.phases import BOUNDARY, HOMES, STAGE, Home, Homes, Phase
 from ..pipeline.schedules import splits_backward
@@ -163,9 +164,9 @@ class _PhaseAssignment:
         two stages is updated on both, from the same gradient)."""
         for op in self.program.ops:
             if op.kind is OpKind.CALL and op.target.startswith("optim."):
-                param = op.args[0]
+                param = before_copies(op.args[0])     # offload copies it to the host
                 while param.producer.target.startswith("comm."):   # ZeRO slices it first
-                    param = param.producer.args[0]
+                    param = before_copies(param.producer.args[0])
                 stages = self._stages_using(param)
                 if not stages:
                     raise PipelineError(f"{op.target} ({op.module or '-'}): its parameter is "

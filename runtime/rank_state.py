@@ -21,7 +21,7 @@ from ..lower.executable import StatePiece
 from .collectives import bind_step
 from .process_groups import MeshGroups
 
-__all__ = ["RankState", "PipelineAxis", "cut_piece", "Pieces"]
+__all__ = ["RankState", "PipelineAxis", "cut_piece", "at_home", "Pieces"]
 
 # this process's starting pieces of several states at once, by name
 Pieces = Callable[[Mapping[str, StatePiece]], "dict[str, torch.Tensor | None]"]
@@ -33,6 +33,23 @@ def cut_piece(whole: torch.Tensor | None, piece: StatePiece) -> torch.Tensor | N
     if whole is None or piece.dist is None:
         return whole
     return shard_tensor_local(whole, piece.dist.mesh, piece.dist.placements, piece.coordinate)
+
+
+def at_home(value: torch.Tensor | None, piece: StatePiece, device: torch.device
+            ) -> torch.Tensor | None:
+    """``value`` where ``piece``'s state lives: the device the process computes on, or host
+    memory for an offloaded state (``sharding.offload``), pinned when the device is a GPU
+    (so its copies to and from the device need not block). A value already there is
+    returned itself (a serial run trains the model's own tensors in place)."""
+    if value is None:
+        return None
+    if not piece.on_host:
+        return value if value.device == device else value.to(device)
+    if value.device.type != "cpu":
+        value = value.to("cpu")
+    if device.type == "cuda" and not value.is_pinned():
+        value = value.pin_memory()
+    return value
 
 
 class PipelineAxis:
@@ -60,7 +77,7 @@ class RankState:
         state's layout. A piece is cut from ``initial(piece)`` (the whole starting value; a
         constant's own), or made by ``cut(wanted)`` when given (the pieces of several
         states at once, which a model built on the meta device draws without its whole)."""
-        held, wanted = set(held), {}
+        held, wanted, placed = set(held), {}, {}
         for name, piece in pieces.items():
             known = self.pieces.get(name)
             if known is not None and known.dist is not None and \
@@ -71,13 +88,14 @@ class RankState:
             self.pieces.setdefault(name, piece)
             if name in held and name not in self.tensors:
                 if piece.const is not None:
-                    self.tensors[name] = cut_piece(piece.const, piece)
+                    placed[name] = cut_piece(piece.const, piece)
                 else:
                     wanted[name] = piece
         if cut is not None:
-            self.tensors.update(cut(wanted))
+            placed.update(cut(wanted))
         else:
-            self.tensors.update({n: cut_piece(initial(p), p) for n, p in wanted.items()})
+            placed.update({n: cut_piece(initial(p), p) for n, p in wanted.items()})
+        self.tensors.update({n: at_home(v, pieces[n], self.device) for n, v in placed.items()})
 
     def names(self) -> list[str]:
         """Every state known but constants, in the order every process calls ``full``."""

@@ -31,7 +31,7 @@ from .executor import Executor, ProgramExecutor
 from .pipeline_process import PipelineExecutor, logical_groups
 from .pipeline_simulator import PipelineSimulator
 from .process_groups import check_launch, init_distributed, mesh_groups, p2p_group, shutdown
-from .rank_state import Pieces, PipelineAxis, RankState
+from .rank_state import Pieces, PipelineAxis, RankState, at_home
 from .simulator import SimulatedExecutor
 
 __all__ = ["Initial", "LocalRuntime", "DistributedRuntime"]
@@ -80,8 +80,9 @@ class LocalRuntime:
         if processes > 1 and not self.simulate:
             check_launch(processes, self.launched)     # raises: a launch that cannot run it
         for name, piece in next(iter(lowered.processes.values())).state.items():
-            if name not in self.state and piece.const is None:
-                self.state[name] = initial(piece)
+            if piece.const is None:    # the model's own tensors stay themselves when home
+                value = self.state[name] if name in self.state else initial(piece)
+                self.state[name] = at_home(value, piece, self.device)
         if processes > 1:
             _not_compiled(lowered, "a simulated plan (every rank in this process)")
         if lowered.pipeline is not None:

@@ -66,10 +66,12 @@ class TrainState:
                              "(torch.device('meta')); this model has no meta tensors")
 
     def _read_model(self) -> None:
+        self.own: dict[str, torch.Tensor] = {}   # the model's own tensors, by state name
         for name, p in self.model.named_parameters():
-            self.tensors[name], self.keys[name] = p.detach(), StateKey.of_param(name)
+            self.own[name], self.keys[name] = p.detach(), StateKey.of_param(name)
         for name, b in self.model.named_buffers():
-            self.tensors[name], self.keys[name] = b, StateKey.of_buffer(name)
+            self.own[name], self.keys[name] = b, StateKey.of_buffer(name)
+        self.tensors.update(self.own)
 
     def learn(self, pieces: Iterable[StatePiece]) -> None:
         """Know the typed keys of a plan's states (checkpoints save what they say)."""
@@ -151,10 +153,8 @@ class TrainState:
             if value is not None:
                 gathered[name] = value
         for name, value in gathered.items():
-            own = self.tensors.get(name)
-            key = self.keys.get(name)
-            if isinstance(own, torch.Tensor) and key is not None and key.of_module \
-                    and not own.is_meta:
+            own = self.own.get(name)     # the runtime may keep it elsewhere (offload, a device)
+            if own is not None and not own.is_meta:
                 if own is not value:
                     own.copy_(value)
             else:

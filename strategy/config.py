@@ -176,6 +176,8 @@ class Strategy(BaseModel):
                 # a pipeline without a mesh takes its stages from the meshes layers are
                 # annotated on (semi-auto); the planner checks there are several
                 and not (name == "pipeline" and self.mesh is None)
+                # ZeRO stage 0 shards nothing (its offload alone may be on): no axis read
+                and not (name == "sharding" and not config.is_enabled)
                 # under ``auto`` without a mesh, the planner makes one with these axes
                 and not (self.auto is not None and self.mesh is None)]
 

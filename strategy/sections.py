@@ -206,8 +206,34 @@ class PipelineConfig(Section):
         return axis_size * self.vpp_chunks
 
 
+class OffloadConfig(Section):
+    """What of the state lives in host memory (pinned, on CUDA) instead of the device's:
+    ``optimizer``: the optimizer state, updated on the host (ZeRO-Offload; each gradient
+    is copied out as the backward makes it, the new parameter copied back); ``params``:
+    the parameters too, copied to the device where the step reads them (FSDP2's
+    ``CPUOffloadPolicy``). On a CPU run both homes are the same memory: the program is
+    the same, no byte moves."""
+
+    SECTION: ClassVar[str] = "sharding.offload"
+    optimizer: StrictBool = False
+    params: StrictBool = False
+
+    @model_validator(mode="after")
+    def _params_need_optimizer(self) -> "OffloadConfig":
+        if self.params and not self.optimizer:
+            raise ValueError("sharding.offload: params: true keeps the parameters on the host, "
+                             "where their update runs, so the optimizer state goes there too: "
+                             "set optimizer: true as well")
+        return self
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.optimizer or self.params
+
+
 class ShardingConfig(Section):
-    """ZeRO over ``axis``: 1 shards optimizer states, 2 also grads, 3 also parameters."""
+    """ZeRO over ``axis``: 1 shards optimizer states, 2 also grads, 3 also parameters.
+    ``offload``: which state lives in host memory (any stage, 0 included)."""
 
     SECTION: ClassVar[str] = "sharding"
     STAGES: ClassVar[str] = ("0 (off), 1 (optimizer state sharded), 2 (and gradients), "
@@ -217,6 +243,7 @@ class ShardingConfig(Section):
     # stage 3's gather unit: each repeated layer's parameters as one collective (FSDP's
     # per-block wrapping: few large collectives), or each module's (less memory in flight)
     unit: Literal["layer", "module"] = "layer"
+    offload: OffloadConfig = OffloadConfig()
 
     @field_validator("stage")
     @classmethod
@@ -229,6 +256,11 @@ class ShardingConfig(Section):
 
     def note(self) -> str:
         return f"ZeRO stage {self.stage}"
+
+    def describe(self) -> str:
+        """As ``Section.describe``; offload only where it is on (its defaults say nothing)."""
+        values = self.model_dump(exclude=set() if self.offload.is_enabled else {"offload"})
+        return f"{self.SECTION}: {dump_flow(values)}"
 
     @property
     def is_enabled(self) -> bool:

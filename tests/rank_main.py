@@ -142,6 +142,30 @@ def train_zero(optim: str, steps: str, batch: str, vocab: str, dropout: str) -> 
     return results
 
 
+def train_offload(steps: str, batch: str) -> dict:
+    """The AdamW GPT of ``parity_gpt`` (vocabulary 65) on dp2: ZeRO-2 with the optimizer
+    offloaded, then ZeRO-3 with the parameters too; per layout the losses, the gathered
+    ``engine.state_dict()`` and the state kinds this rank keeps on the host."""
+    from autopar.models.gpt import lm_loss
+    results = {}
+    for layout, text in (("zero2", "stage: 2, axis: dp, offload: {optimizer: true}"),
+                         ("zero3", "stage: 3, axis: dp, offload: {optimizer: true, "
+                                   "params: true}")):
+        model = parity_gpt("adamw", vocab=65)
+        optimizer, scheduler = gpt_optimizer("adamw", model)
+        strategy = ap.Strategy.from_yaml_str(
+            "mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
+            f"sharding: {{{text}}}\n")
+        engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy,
+                           lr_scheduler=scheduler)
+        history = engine.fit(lm_data(int(steps) * int(batch), 16, 65), batch_size=int(batch),
+                             verbose=0)
+        pieces = engine.runtime.state.pieces
+        results[layout] = {"loss": history["loss"], "state": engine.state_dict(),
+                           "on_host": {p.key.kind.value for p in pieces.values() if p.on_host}}
+    return results
+
+
 def train_meta(layout: str, steps: str) -> dict:
     """A GPT built on the meta device trained on 2 ranks (``layout``: ``zero3``, ZeRO-3 over
     dp2; ``pp2``, a 1F1B pipeline): each rank draws only its pieces while its executor is
@@ -541,7 +565,7 @@ SCENARIOS = {"train_scaled": train_scaled, "train_compiled": train_compiled,
              "ckpt_train": ckpt_train, "ckpt_resume": ckpt_resume,
              "ckpt_until_killed": ckpt_until_killed, "ckpt_load": ckpt_load,
              "ckpt_crash_save": ckpt_crash_save,
-             "export_full": export_full}
+             "export_full": export_full, "train_offload": train_offload}
 
 
 def main() -> None:

@@ -122,14 +122,24 @@ def test_batches_go_to_the_device_one_ahead():
     assert len(cpu) == 3 and cpu[0][0].device.type == "cpu"
 
 
-def test_a_meta_model_on_cuda_is_refused_saying_why(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+@CUDA
+def test_a_meta_model_trains_on_cuda_from_its_cpu_drawn_pieces():
+    """A model built on meta: its pieces are drawn on the CPU (as ``to_empty(device="cpu")``
+    + its init path) and placed on the device; it trains as the CPU-built model would."""
+    torch.manual_seed(0)
+    reference = parity_gpt("adamw")
+    torch.manual_seed(0)
     with torch.device("meta"):
         model = parity_gpt("adamw")
-    with pytest.raises(ValueError, match="meta device with device: cuda is not supported yet"):
-        ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()),
-                  strategy=ap.Strategy.from_yaml_str("device: cuda"))
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=ap.Strategy.from_yaml_str("device: cuda"))
+    state = engine.runtime.state
+    data = lm_data(12, 16, 64)
+    got = engine.fit(data, batch_size=6, verbose=0)["loss"]
+    assert all(t.device.type == "cuda" for t in state.values() if isinstance(t, torch.Tensor))
+    want = eager_train(reference, lm_loss, torch.optim.AdamW(reference.parameters(), lr=1e-3),
+                       data, 6, 2)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
 
 
 def test_tf32_is_explicit_in_the_strategy():

@@ -8,6 +8,7 @@ their traits as this package loads:
 * ``pipeline`` — a micro-batch's slice or term of a value;
 * ``rng`` — reading and setting the generator (recomputed and pipelined random ops);
 * ``optim`` — torch.optim's own update functions, one param or one param group per call;
-* ``amp`` — loss scaling's check for inf/nan and unscale, one read of each gradient.
+* ``amp`` — loss scaling's check for inf/nan and unscale, one read of each gradient;
+* ``offload`` — copies between the device and host memory (``sharding.offload``).
 """
-from . import amp, generator_state, optim, pipeline, sharded, sliced_draws  # noqa: F401
+from . import amp, generator_state, offload, optim, pipeline, sharded, sliced_draws  # noqa: F401

@@ -10,6 +10,7 @@ from . import (  # noqa: F401
     matmul,
     misc,
     norm,
+    offload,
     optimizer,
     pointwise,
     reduction,
