@@ -57,12 +57,16 @@ def main(argv: list[str] | None = None) -> None:
                           "the processes training runs (the profile the cost model reads)")
     calibrate.add_argument("--processes", type=int, default=None,
                            help="concurrent processes, as many as training launches "
-                                "(default: WORLD_SIZE under torchrun, else 4)")
+                                "(default: WORLD_SIZE under torchrun, else one per GPU on "
+                                "CUDA, 4 on the CPU)")
     calibrate.add_argument("--out", default=None,
                            help="profile file (default: $AUTOPAR_PROFILE, else "
                                 "~/.cache/autopar/profile.json)")
     calibrate.add_argument("--quick", action="store_true",
                            help="fewer sizes and repeats: seconds, not a minute")
+    calibrate.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                           help="what to measure, as the strategy's device: says (default: "
+                                "$AUTOPAR_CALIBRATE_DEVICE, else auto: CUDA where present)")
     argv = list(sys.argv[1:] if argv is None else argv)
     # plan's own options anywhere; the script's arguments after "--"
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -122,14 +126,15 @@ def run_calibrate(args: argparse.Namespace) -> None:
     processes through torchrun."""
     import os
 
-    from .cost.calibrate import launch, run
+    from .cost.calibrate import default_processes, launch, run
     if "WORLD_SIZE" not in os.environ:
-        args.processes = args.processes or 4
+        args.processes = args.processes or default_processes(args.device)
         if args.processes > 1:
             sys.exit(launch([f"--processes={args.processes}",
                              *([f"--out={args.out}"] if args.out else []),
+                             *([f"--device={args.device}"] if args.device else []),
                              *(["--quick"] if args.quick else [])], args.processes))
-    run(args.processes, args.out, args.quick)
+    run(args.processes, args.out, args.quick, args.device)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,19 @@ scales a plan's compute by it (``Profile.contention``).
 * the pipeline runtime: a small 1F1B exchange among all the processes through the runtime's
   ``P2PTransport`` (``cost/pipeline_probe.py``): the mean send call over the message's
   bytes and the prefetch after every job, as a pipelined step pays them.
+
+Everything is measured on the device the launch trains on, picked as the engine picks it
+(``runtime.process_groups.resolve_device``: ``auto`` is ``cuda:LOCAL_RANK`` where CUDA
+exists; ``$AUTOPAR_CALIBRATE_DEVICE`` = ``auto | cpu | cuda`` overrides), with the backend
+the engine would use (gloo or NCCL). On CUDA a sample is timed with CUDA events (``_Timer``:
+a call returns at launch, the host clock would time launches); on the CPU with the host
+clock. On a launch over several nodes each group size's fit is labelled intra-node or
+inter-node (``link_kind``) in the returned measurements (``"links"``): the profile keys a
+fit by group size alone.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
@@ -62,13 +72,23 @@ from ..reshard.traffic import reshard_bytes
 from ..runtime.codegen import generate
 from ..runtime.collectives import bind_step
 from ..runtime.p2p import P2PTransport
-from ..runtime.process_groups import MeshGroups, init_distributed, mesh_groups, shutdown
+from ..runtime.process_groups import (
+    MeshGroups,
+    backend_for,
+    init_distributed,
+    mesh_groups,
+    resolve_device,
+    shutdown,
+)
 from . import op_probes
 from .pipeline_probe import mean_times, measure_pipeline
 from .predict import op_size
 from .profile import COLLECTIVE_KINDS, AlphaBeta, Curve, Profile
 
-__all__ = ["Settings", "calibrate", "run", "launch", "summary", "fit_alpha_beta"]
+__all__ = ["Settings", "calibrate", "run", "launch", "summary", "fit_alpha_beta",
+           "calibration_device", "link_kind", "default_processes"]
+
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -123,24 +143,55 @@ def _barrier() -> None:
 Probe = Callable[[], float]     # one timed sample: seconds per call
 
 
-def _batch_probe(fn: Callable[[], object], batch_s: float) -> Probe:
+class _Timer:
+    """Seconds of the work queued on ``device`` between ``start`` and ``stop``. On the CPU
+    a call returns when its work is done: the host clock. On CUDA a call returns when its
+    kernel is launched (the host clock would time launches): CUDA events recorded on the
+    device's current stream around the work, read once the end event has completed."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.host = 0.0
+        self.begin = None
+
+    def start(self) -> float:
+        """Start an interval; returns the host clock (a probe's window is host time)."""
+        if self.stream is not None:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record(self.stream)
+        self.host = time.perf_counter()
+        return self.host
+
+    def stop(self, now: float | None = None) -> float:
+        """Seconds since ``start``; on the CPU ``now``, a host reading the caller has just
+        taken, ends the interval."""
+        if self.stream is None:
+            return (time.perf_counter() if now is None else now) - self.host
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        end.synchronize()
+        return self.begin.elapsed_time(end) / 1e3
+
+
+def _batch_probe(fn: Callable[[], object], batch_s: float, device: torch.device = CPU) -> Probe:
     """A probe timing back-to-back calls of ``fn`` until ``batch_s`` has passed (at least
     one call; warmed up once). A window of fixed length, not a fixed count of calls: the
     processes measured together start behind a barrier and all stay busy to the end of
     the window, so each sample is taken under the full contention of all of them (with a
     fixed count the first process done leaves the cores to the others, and the measured
-    sharing depended on the batch length: 0.46 to 0.92 for one process alone)."""
+    sharing depended on the batch length: 0.46 to 0.92 for one process alone). ``device``:
+    where ``fn`` computes (its time: ``_Timer``; the window is host time)."""
     fn()
+    timer = _Timer(device)
 
     def probe() -> float:
-        start = time.perf_counter()
-        deadline, calls = start + batch_s, 0
+        deadline, calls = timer.start() + batch_s, 0
         while True:
             fn()
             calls += 1
             now = time.perf_counter()
             if now >= deadline:
-                return (now - start) / calls
+                return timer.stop(now) / calls
     return probe
 
 
@@ -179,16 +230,17 @@ def _geomean(values: list[float]) -> float:
 
 
 def _matmul_curve(settings: Settings, sizes: tuple[float, ...],
-                  dtype: torch.dtype = torch.float32) -> list[float]:
+                  dtype: torch.dtype = torch.float32, device: torch.device = CPU
+                  ) -> list[float]:
     """Seconds of one mm of ``dtype`` of each of ``sizes`` (FLOPs): the shapes' mean
     (geometric) throughput."""
     mm = _kernel("aten.mm.default")
     probes, work = [], []
     for flops in sizes:
         for m, k, n in _matmul_shapes(flops):
-            a = torch.randn(m, k, dtype=dtype)
-            b = torch.randn(n, k, dtype=dtype).t()              # a Linear's transposed weight
-            probes.append(_batch_probe(functools.partial(mm, a, b), settings.batch_s))
+            a = torch.randn(m, k, dtype=dtype, device=device)
+            b = torch.randn(n, k, dtype=dtype, device=device).t()   # a Linear's weight
+            probes.append(_batch_probe(functools.partial(mm, a, b), settings.batch_s, device))
             work.append(2 * m * k * n)
     rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats, False))]
     per = len(rates) // len(sizes)
@@ -200,7 +252,8 @@ POINTWISE = (("aten.add.Tensor", 2, 12), ("aten.mul.Tensor", 2, 12), ("aten.gelu
 
 
 def _pointwise_curve(settings: Settings, sizes: tuple[float, ...],
-                     dtype: torch.dtype = torch.float32) -> list[float]:
+                     dtype: torch.dtype = torch.float32, device: torch.device = CPU
+                     ) -> list[float]:
     """Seconds of one memory-bound op of ``dtype`` moving each of ``sizes`` (bytes): the
     ops' mean throughput."""
     probes, work = [], []
@@ -209,9 +262,9 @@ def _pointwise_curve(settings: Settings, sizes: tuple[float, ...],
         for target, inputs, fp32_per_element in POINTWISE:
             per_element = fp32_per_element * scale
             n = max(1, round(nbytes / per_element))
-            args = [torch.randn(n, dtype=dtype) for _ in range(inputs)]
+            args = [torch.randn(n, dtype=dtype, device=device) for _ in range(inputs)]
             probes.append(_batch_probe(functools.partial(_kernel(target), *args),
-                                       settings.batch_s))
+                                       settings.batch_s, device))
             work.append(n * per_element)
     rates = [w / t for w, t in zip(work, sweep(probes, settings.repeats, False))]
     per = len(POINTWISE)
@@ -221,20 +274,40 @@ def _pointwise_curve(settings: Settings, sizes: tuple[float, ...],
 HALF = (torch.float16, torch.bfloat16)
 
 
-def measure_ops(settings: Settings) -> dict[str, list[float]]:
+def _op_cases(dtype: torch.dtype, sizes: int, device: torch.device) -> list:
+    """``op_probes.cases`` with their tensors made on ``device``. On the CPU exactly those;
+    elsewhere target by target with ``device`` the default of new tensors (op_probes makes
+    them without one), leaving out a target with no kernel there (op_probes' attention is
+    the CPU flash kernel)."""
+    if device.type == "cpu":
+        return op_probes.cases(dtype, sizes)
+    out = []
+    for target, (make, calls, half) in op_probes.PROBED.items():
+        if dtype != torch.float32 and not half:
+            continue
+        try:
+            with device:
+                out += [(target, calls, make(i, dtype)) for i in range(sizes)]
+        except RuntimeError:          # NotImplementedError too: no kernel on this device
+            continue
+    return out
+
+
+def measure_ops(settings: Settings, device: torch.device = CPU) -> dict[str, list[float]]:
     """The probed ops' points (``cost/op_probes.py``), all in one sweep: ``"op:<target>:
     <dtype>"`` -> seconds of one call (per parameter for an optimizer's group call) and
     ``"opsize:..."`` -> its ``op_size``; and ``"view"``: one view op's seconds."""
     probes, keys, sizes, calls = [], [], [], []
     for dtype in (torch.float32, *HALF):
         count = settings.op_sizes if dtype == torch.float32 else settings.half_op_sizes
-        for target, per, (fn, op) in op_probes.cases(dtype, count):
-            probes.append(_batch_probe(fn, settings.batch_s))
+        for target, per, (fn, op) in _op_cases(dtype, count, device):
+            probes.append(_batch_probe(fn, settings.batch_s, device))
             keys.append(f"{target}:{_dtype_name(dtype)}")
             sizes.append(op_size(op))
             calls.append(per)
-    views = op_probes.view_cases()
-    probes += [_batch_probe(fn, settings.batch_s) for fn in views]
+    with device:
+        views = op_probes.view_cases()
+    probes += [_batch_probe(fn, settings.batch_s, device) for fn in views]
     seconds = sweep(probes, settings.repeats, False)
     out: dict[str, list[float]] = {}
     for key, size, per, t in zip(keys, sizes, calls, seconds):
@@ -244,25 +317,27 @@ def measure_ops(settings: Settings) -> dict[str, list[float]]:
     return out
 
 
-def _slowdown_probes(settings: Settings) -> list[Probe]:
+def _slowdown_probes(settings: Settings, device: torch.device = CPU) -> list[Probe]:
     """What the slowdown is measured on: a small and a large matmul and a pointwise add,
     each over a window of ``slowdown_window_s`` (long enough for the scheduler to share
     the cores fairly among the processes: 10 ms windows gave erratic rates)."""
     mm, add = _kernel("aten.mm.default"), _kernel("aten.add.Tensor")
     shapes = ((64, 128, 64), (256, 256, 256))
-    mms = [(torch.randn(m, k), torch.randn(n, k).t()) for m, k, n in shapes]
-    x, y = torch.randn(1 << 16), torch.randn(1 << 16)
+    mms = [(torch.randn(m, k, device=device), torch.randn(n, k, device=device).t())
+           for m, k, n in shapes]
+    x, y = torch.randn(1 << 16, device=device), torch.randn(1 << 16, device=device)
     window = settings.slowdown_window_s
-    return ([_batch_probe(functools.partial(mm, a, b), window) for a, b in mms]
-            + [_batch_probe(functools.partial(add, x, y), window)])
+    return ([_batch_probe(functools.partial(mm, a, b), window, device) for a, b in mms]
+            + [_batch_probe(functools.partial(add, x, y), window, device)])
 
 
-def measure_slowdown(settings: Settings, world: int, rank: int) -> list[list[float] | None]:
+def measure_slowdown(settings: Settings, world: int, rank: int, device: torch.device = CPU
+                     ) -> list[list[float] | None]:
     """For P = 1..world processes computing at once (ranks below P; the others wait at
     the barrier, which does not spin), this process's median seconds of each slowdown
     probe (None: idle). Every round sweeps all P, so a burst of other load hits every P
     alike rather than all samples of one; the first round is a warm-up and is dropped."""
-    probes = _slowdown_probes(settings)
+    probes = _slowdown_probes(settings, device)
     samples = {active: [[] for _ in probes] for active in range(1, world + 1)}
     for repeat in range(settings.slowdown_repeats + 1):
         for active in range(1, world + 1):
@@ -294,12 +369,14 @@ def _tiny_add_program(ops: int) -> Program:
     return program
 
 
-def _executor_overhead(settings: Settings) -> tuple[float, float]:
+def _executor_overhead(settings: Settings, device: torch.device = CPU) -> tuple[float, float]:
     """(executor seconds per tiny op, the same op called directly): batches of the two
-    interleaved, so a load that comes and goes shifts both alike; medians."""
+    interleaved, so a load that comes and goes shifts both alike; medians. Host time on
+    every device: what the executor adds is host work (on CUDA, the time to launch)."""
     ops = settings.overhead_ops
     fn, _ = generate(_tiny_add_program(ops))
-    feeds, state = {"x": torch.randn(16)}, {"w": torch.randn(16)}
+    feeds = {"x": torch.randn(16, device=device)}
+    state = {"w": torch.randn(16, device=device)}
     add, x, w = _kernel("aten.add.Tensor"), feeds["x"], state["w"]
     fn(feeds, state)
     start = time.perf_counter()
@@ -318,19 +395,21 @@ def _executor_overhead(settings: Settings) -> tuple[float, float]:
     return statistics.median(program), statistics.median(direct)
 
 
-def measure_compute(settings: Settings) -> dict[str, list[float]]:
-    """This process's compute measurements, in the order of ``settings``."""
+def measure_compute(settings: Settings, device: torch.device = CPU) -> dict[str, list[float]]:
+    """This process's compute measurements on ``device``, in the order of ``settings``."""
     torch.manual_seed(0)
     gc.collect()
     with torch.no_grad():
-        out = {"matmul": _matmul_curve(settings, settings.matmul_flops),
-               "pointwise": _pointwise_curve(settings, settings.pointwise_bytes)}
+        out = {"matmul": _matmul_curve(settings, settings.matmul_flops, device=device),
+               "pointwise": _pointwise_curve(settings, settings.pointwise_bytes,
+                                             device=device)}
         for dtype in HALF:
             name = _dtype_name(dtype)
-            out["matmul:" + name] = _matmul_curve(settings, settings.half_matmul_flops, dtype)
+            out["matmul:" + name] = _matmul_curve(settings, settings.half_matmul_flops, dtype,
+                                                  device)
             out["pointwise:" + name] = _pointwise_curve(settings, settings.half_pointwise_bytes,
-                                                        dtype)
-        executor_s, direct_s = _executor_overhead(settings)
+                                                        dtype, device)
+        executor_s, direct_s = _executor_overhead(settings, device)
     out.update(executor=[executor_s], direct=[direct_s])
     return out
 
@@ -358,6 +437,26 @@ def group_sizes(world: int) -> list[int]:
     return [n for n in range(2, world + 1) if world % n == 0]
 
 
+def link_kind(n: int, world: int, local_world: int) -> str:
+    """Whether the groups of a mesh dim of ``n`` ranks (``_mesh_dim``'s: ``n`` consecutive
+    ranks each) all lie within a node (torchrun puts ``local_world`` consecutive ranks on
+    a node): ``"intra-node"``; else ``"inter-node"`` (the groups run at once, and the one
+    crossing a node paces the collective)."""
+    if n < 2 or world % n or local_world < 1:
+        raise ValueError(f"a mesh dim of {n} ranks in a launch of {world} ({local_world} "
+                         "per node)")
+    within = all(start // local_world == (start + n - 1) // local_world
+                 for start in range(0, world, n))
+    return "intra-node" if within else "inter-node"
+
+
+def _links(world: int) -> dict[int, str]:
+    """Each group size's ``link_kind`` on this launch (``LOCAL_WORLD_SIZE``: torchrun's
+    ranks per node; absent, one node)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return {n: link_kind(n, world, local_world) for n in group_sizes(world)}
+
+
 def _mesh_dim(world: int, n: int) -> tuple[MeshGroups, int]:
     """This process's groups on a mesh with a dim of ``n`` ranks (made as the runtime makes
     them), and that dim: every group along it runs at once, as in training."""
@@ -372,7 +471,7 @@ def _rows(nbytes: int, n: int, cols: int = 64) -> int:
 
 
 def _runtime_collective(kind: str, full: tuple[int, int], n: int, dim: int,
-                        groups: MeshGroups):
+                        groups: MeshGroups, device: torch.device = CPU):
     """(the runtime's callable, this rank's input, bytes a rank sends) for one ``kind``."""
     rows, cols = full
     full_bytes = rows * cols * 4
@@ -386,18 +485,18 @@ def _runtime_collective(kind: str, full: tuple[int, int], n: int, dim: int,
     else:
         step, shape, src, dst = AllToAll(dim, from_dim=0, to_dim=1), piece, Shard(0), Shard(1)
     fn = bind_step(StepComm(step, (shape,) * n), groups)
-    return fn, torch.randn(shape), reshard_bytes(src, dst, full_bytes, n)
+    return fn, torch.randn(shape, device=device), reshard_bytes(src, dst, full_bytes, n)
 
 
-def _broadcast(full: tuple[int, int], axis):
-    x = torch.randn(full)
+def _broadcast(full: tuple[int, int], axis, device: torch.device = CPU):
+    x = torch.randn(full, device=device)
     root = axis.ranks[0]
     return (lambda t: dist.broadcast(t, src=root, group=axis.group)), x, float(x.nbytes)
 
 
-def _ping_pong(full: tuple[int, int], axis):
+def _ping_pong(full: tuple[int, int], axis, device: torch.device = CPU):
     """Two messages per call between the pair's two ranks: first to second, and back."""
-    x = torch.randn(full)
+    x = torch.randn(full, device=device)
     first, second = axis.ranks[0], axis.ranks[1]
     me = dist.get_rank()
 
@@ -411,9 +510,9 @@ def _ping_pong(full: tuple[int, int], axis):
     return ping_pong, x, float(x.nbytes)
 
 
-def _lead() -> Callable[[], object]:
+def _lead(device: torch.device = CPU) -> Callable[[], object]:
     """The compute a collective follows in a sample: ten 128^3 matmuls (~1 ms here)."""
-    a, mm = torch.randn(128, 128), _kernel("aten.mm.default")
+    a, mm = torch.randn(128, 128, device=device), _kernel("aten.mm.default")
 
     def lead() -> None:
         for _ in range(10):
@@ -423,44 +522,48 @@ def _lead() -> Callable[[], object]:
 
 def _call_probe(fn: Callable[[torch.Tensor], object], x: torch.Tensor,
                 lead: Callable[[], object]) -> Probe:
-    """A probe timing ``lead`` and then one call of a collective on ``x`` (warmed up)."""
+    """A probe timing ``lead`` and then one call of a collective on ``x`` (warmed up), on
+    ``x``'s device (``_Timer``)."""
     fn(x)
+    timer = _Timer(x.device)
 
     def probe() -> float:
-        start = time.perf_counter()
+        timer.start()
         lead()
         fn(x)
-        return time.perf_counter() - start
+        return timer.stop()
     return probe
 
 
 def _collective_probe(kind: str, nbytes: int, n: int, groups: MeshGroups, dim: int,
-                      lead: Callable[[], object]) -> tuple[Probe, float]:
+                      lead: Callable[[], object], device: torch.device = CPU
+                      ) -> tuple[Probe, float]:
     """(a probe of one ``kind`` call on a tensor of about ``nbytes``, bytes a rank sends)."""
     full = (_rows(nbytes, n), 64)
     if kind == "broadcast":
-        fn, x, sent = _broadcast(full, groups[dim])
+        fn, x, sent = _broadcast(full, groups[dim], device)
     elif kind == "send_recv":
-        fn, x, sent = _ping_pong(full, groups[dim])
+        fn, x, sent = _ping_pong(full, groups[dim], device)
     else:
-        fn, x, sent = _runtime_collective(kind, full, n, dim, groups)
+        fn, x, sent = _runtime_collective(kind, full, n, dim, groups, device)
     return _call_probe(fn, x, lead), sent
 
 
-def measure_collectives(settings: Settings, world: int) -> dict[str, dict[int, list]]:
+def measure_collectives(settings: Settings, world: int, device: torch.device = CPU
+                        ) -> dict[str, dict[int, list]]:
     """kind -> group size -> [(bytes a rank sends, this process's median seconds)]; each
     kind and group size one sweep over the sizes and the lead compute alone. A point is
     what the collective adds to the lead: the median of lead + call less the lead's."""
     out: dict[str, dict[int, list]] = {}
-    lead = _lead()
-    lead_probe = _batch_probe(lead, 0.0)
+    lead = _lead(device)
+    lead_probe = _batch_probe(lead, 0.0, device)
     for n in group_sizes(world):
         groups, dim = _mesh_dim(world, n)
         for kind in COLLECTIVE_KINDS:
             if kind == "send_recv" and n != 2:
                 continue                                  # a message has two ends
             _barrier()
-            probes, sent = zip(*(_collective_probe(kind, b, n, groups, dim, lead)
+            probes, sent = zip(*(_collective_probe(kind, b, n, groups, dim, lead, device)
                                  for b in settings.collective_bytes))
             *both, alone = sweep([*probes, lead_probe], settings.comm_repeats)
             seconds = [max(t - alone, 1e-7) for t in both]
@@ -488,31 +591,59 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> AlphaBeta:
 # ------------------------------------------------------------------------------ the run
 
 
-def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None:
-    """Measure on this process (one of ``processes``); rank 0 returns the profile and the
-    measurements it was made from (``"compute"``: medians over processes; ``"collectives"``:
-    kind -> group size -> [(bytes sent, median seconds)]), the others None."""
+def calibration_device(choice: str = "auto") -> torch.device:
+    """The device this process calibrates, picked as the engine picks the one it trains on
+    (``resolve_device``: ``auto`` is ``cuda:LOCAL_RANK`` where CUDA exists)."""
+    try:
+        return resolve_device(choice, int(os.environ.get("LOCAL_RANK", "0")))
+    except ValueError as err:
+        raise ValueError(f"calibrate on device {choice}: {err}; AUTOPAR_CALIBRATE_DEVICE=cpu "
+                         "calibrates the CPU") from None
+
+
+def _transport_on(device: torch.device) -> Callable[..., P2PTransport]:
+    """The runtime's transport, made for ``device`` (``measure_pipeline`` asks for a CPU one)."""
+    if device.type == "cpu":
+        return P2PTransport
+
+    def make(messages, me, peers, shapes, _cpu, **options) -> P2PTransport:
+        return P2PTransport(messages, me, peers, shapes, device, **options)
+    return make
+
+
+def _measure_pipeline(settings: Settings, device: torch.device) -> dict[str, list[float]]:
+    """``measure_pipeline`` on ``device``: its messages made there (it makes them without a
+    device, so ``device`` is the default of new tensors while it runs, off the CPU)."""
+    with torch.no_grad(), (device if device.type != "cpu" else contextlib.nullcontext()):
+        return measure_pipeline(settings.pipeline_bytes, settings.pipeline_micro_batches,
+                                settings.pipeline_repeats, _lead(device), _transport_on(device))
+
+
+def calibrate(settings: Settings, processes: int, device: torch.device | None = None
+              ) -> tuple[Profile, dict] | None:
+    """Measure on this process (one of ``processes``) on ``device`` (None:
+    ``calibration_device()``); rank 0 returns the profile and the measurements it was made
+    from (``"compute"``: medians over processes; ``"collectives"``: kind -> group size ->
+    [(bytes sent, median seconds)]; ``"links"``: group size -> intra-node or inter-node;
+    ``"device"``), the others None."""
+    device = calibration_device() if device is None else device
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     phases = {"start": time.perf_counter()}
     compute: dict[str, list[float]] = {}
     if rank == 0:              # alone: the others wait at the barrier (it does not spin)
-        compute = measure_compute(settings)
+        compute = measure_compute(settings, device)
         phases["compute"] = time.perf_counter()
         with torch.no_grad():
-            compute.update(measure_ops(settings))
+            compute.update(measure_ops(settings, device))
         phases["ops"] = time.perf_counter()
     _barrier()
     with torch.no_grad():
-        slowdown = measure_slowdown(settings, world, rank)
+        slowdown = measure_slowdown(settings, world, rank, device)
     phases["slowdown"] = time.perf_counter()
-    collectives = measure_collectives(settings, world) if world > 1 else {}
+    collectives = measure_collectives(settings, world, device) if world > 1 else {}
     phases["collectives"] = time.perf_counter()
-    pipeline = {}
-    if world > 1:
-        with torch.no_grad():
-            pipeline = measure_pipeline(settings.pipeline_bytes, settings.pipeline_micro_batches,
-                                        settings.pipeline_repeats, _lead(), P2PTransport)
+    pipeline = _measure_pipeline(settings, device) if world > 1 else {}
     phases["pipeline"] = time.perf_counter()
     mine = {"compute": compute, "collectives": collectives, "slowdown": slowdown,
             "pipeline": pipeline}
@@ -526,8 +657,9 @@ def calibrate(settings: Settings, processes: int) -> tuple[Profile, dict] | None
     measured = {"compute": everyone[0]["compute"], "collectives": _median_comm(everyone),
                 "slowdown": _slowdown(everyone),
                 "pipeline": mean_times([p["pipeline"] for p in everyone]) if world > 1 else {},
-                "phases": {b: phases[b] - phases[a] for a, b in zip(names, names[1:])}}
-    return _profile(settings, processes, measured), measured
+                "phases": {b: phases[b] - phases[a] for a, b in zip(names, names[1:])},
+                "links": _links(world), "device": str(device)}
+    return _profile(settings, processes, measured, device), measured
 
 
 def _slowdown(everyone: list[dict]) -> dict[int, float]:
@@ -552,11 +684,18 @@ def _median_comm(everyone: list[dict]) -> dict[str, dict[int, list[tuple[float, 
             for kind, by_n in everyone[0]["collectives"].items()}
 
 
-def _profile(settings: Settings, processes: int, measured: dict) -> Profile:
+def _machine(processes: int, device: torch.device) -> str:
+    """The profile's machine: host, the GPU on CUDA, cores, torch, the backend."""
+    gpu = f"{torch.cuda.get_device_name(device)}, " if device.type == "cuda" else ""
+    return (f"{platform.node()}, {gpu}{os.cpu_count()} cpus, torch {torch.__version__}, "
+            f"{backend_for(device) if processes > 1 else 'no backend'}")
+
+
+def _profile(settings: Settings, processes: int, measured: dict, device: torch.device = CPU
+             ) -> Profile:
     compute = measured["compute"]
     return Profile(
-        machine=f"{platform.node()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-                f"{'gloo' if processes > 1 else 'no backend'}",
+        machine=_machine(processes, device),
         processes=processes, threads=torch.get_num_threads(),
         matmul=monotone_curve(settings.matmul_flops, compute["matmul"]),
         pointwise=monotone_curve(settings.pointwise_bytes, compute["pointwise"]),
@@ -637,11 +776,14 @@ def summary(profile: Profile, measured: dict, out: str) -> str:
                  f"{profile.op_overhead_s * 1e6:.2f} us per op")
     lines.append("collectives (bytes = what one rank sends; R^2 and worst relative error of "
                  "the line over the measured sizes):")
+    links = measured.get("links", {})
+    several_nodes = "inter-node" in links.values()       # else every group is within a node
     for kind, by_n in profile.collectives.items():
         for n, fit in sorted(by_n.items()):
             rate = 1 / fit.beta_s_per_byte / 1e9 if fit.beta_s_per_byte > 0 else math.inf
             error = _fit_error(fit, measured["collectives"][kind][n])
-            lines.append(f"  {kind:15s} {n} ranks: alpha {fit.alpha_s * 1e6:8.1f} us  "
+            where = f" ({links[n]})" if several_nodes else ""
+            lines.append(f"  {kind:15s} {n} ranks{where}: alpha {fit.alpha_s * 1e6:8.1f} us  "
                          f"1/beta {rate:6.2f} GB/s  R^2 {fit.r2:6.3f}  worst {error:4.0%}")
     if profile.p2p_send is not None:
         fit = profile.p2p_send
@@ -657,18 +799,21 @@ def summary(profile: Profile, measured: dict, out: str) -> str:
     return "\n".join(lines)
 
 
-def run(processes: int | None, out: str | None, quick: bool) -> None:
-    """One process of ``python -m autopar calibrate`` (under torchrun, or alone for one)."""
+def run(processes: int | None, out: str | None, quick: bool, device: str | None = None
+        ) -> None:
+    """One process of ``python -m autopar calibrate`` (under torchrun, or alone for one), on
+    ``device`` (``auto | cpu | cuda``; None: ``$AUTOPAR_CALIBRATE_DEVICE``, else auto)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     processes = processes or world
     if processes != world:
         raise ValueError(f"calibrate --processes {processes} under a launch of WORLD_SIZE "
                          f"{world}: run it without torchrun, it launches its own processes")
+    where = calibration_device(device or os.environ.get("AUTOPAR_CALIBRATE_DEVICE", "auto"))
     if world > 1:
-        init_distributed(torch.device("cpu"), world, world)
+        init_distributed(where, world, world)
     settings = Settings.quick() if quick else Settings.default()
     start = time.perf_counter()
-    result = calibrate(settings, processes)
+    result = calibrate(settings, processes, where)
     if world > 1:
         shutdown(barrier=True)
     if result is not None:
@@ -678,6 +823,15 @@ def run(processes: int | None, out: str | None, quick: bool) -> None:
         if os.environ.get("AUTOPAR_CALIBRATE_POINTS"):      # the raw points, for a look
             print(measured)
         print(f"calibration took {time.perf_counter() - start:.1f} s")
+
+
+def default_processes(device: str | None = None) -> int:
+    """Processes a calibration launches by default: one per GPU where it measures CUDA
+    (a process per device, as training launches), else 4."""
+    choice = device or os.environ.get("AUTOPAR_CALIBRATE_DEVICE", "auto")
+    if choice != "cpu" and torch.cuda.is_available():
+        return max(1, torch.cuda.device_count())
+    return 4
 
 
 def launch(argv: list[str], processes: int) -> int:

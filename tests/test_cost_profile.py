@@ -156,7 +156,7 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path):
     """The CLI launches 2 processes through torchrun and rank 0 writes a valid profile."""
     out = tmp_path / "profile.json"
     done = subprocess.run([sys.executable, "-m", "autopar", "calibrate", "--processes", "2",
-                           "--quick", "--out", str(out)],
+                           "--quick", "--device", "cpu", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "GFLOP/s" in done.stdout and "R^2" in done.stdout and str(out) in done.stdout
