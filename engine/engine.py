@@ -44,6 +44,7 @@ from .data import batch_size_of, batches, on_device
 from .launch import Launch
 from .offline import finish_offline_plan
 from .planner import PlannedStep, Planner, StepCost
+from .readings import History, Reading, StepLogs
 
 # Sections the engine honours itself, besides those the passes implement
 # (``PassManager.sections``) and the runtime's (``compile``): ``auto`` is settled on the
@@ -110,7 +111,7 @@ class Engine:
             self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size,
                                         self.device)
         self.planner = self._planner(layout)
-        self.history: dict[str, list[float]] = {}
+        self.history = History()     # lists of floats by name (values join when read)
         self.stop_training = False   # a callback sets it; fit checks it after each batch
         self.last_compile_s = 0.0    # seconds the last step spent compiling (``compile:``)
         self.closed = False
@@ -297,7 +298,12 @@ class Engine:
         its metric). With ``gradient_merge`` the runtime steps through the planned cycle:
         the batch's gradients are accumulated, and every ``k_steps``-th batch (counted
         across epochs and ``fit`` calls) also runs the optimizer on their sum (their mean,
-        ``avg``)."""
+        ``avg``). The loss is read on the host when the step's work is done (``fit``
+        reads it only where it logs: ``engine.readings``)."""
+        return self._train(inputs, labels).value()
+
+    def _train(self, inputs: Any, labels: Any) -> Reading:
+        """One training step, queued: its loss as a reading copied without blocking."""
         step = self._ready("train", inputs, labels)
         batch = self.state.progress.batches_trained
         seed = self.strategy.seed + batch
@@ -316,7 +322,7 @@ class Engine:
         self.state.progress.batches_trained += 1
         if step.lowered.steps_optimizer(batch):
             self._after_optimizer_step()
-        return float(results[Slot("loss")])
+        return Reading(results[Slot("loss")])
 
     def _after_optimizer_step(self) -> None:
         self.state.progress.global_step += 1
@@ -345,16 +351,16 @@ class Engine:
         ``optimizer.step()``)."""
         for slot, value in results.items():
             if slot.kind == "report":
-                self.history.setdefault(slot.name, []).append(value.item())
+                self.history.add(slot.name, Reading(value))
 
-    def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[float | None, Any]:
+    def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[Reading | None, Any]:
         step = self._ready(mode, inputs, labels)
         compiled = compile_seconds(step.executor)
         results = step.executor.run(self._feeds(inputs, labels, mode))
         self._record_compile(compile_seconds(step.executor) - compiled)
         loss = results.get(Slot("loss"))
         outputs = [v for s, v in results.items() if s.kind == "output"]
-        return (None if loss is None else float(loss)), _rebuild(step.spec, outputs)
+        return (None if loss is None else Reading(loss)), _rebuild(step.spec, outputs)
 
     # -- the Keras/Paddle-style loops ---------------------------------------------------
     def fit(self, train_data, batch_size: int = 1, epochs: int = 1,
@@ -407,7 +413,7 @@ class Engine:
             hooks.call("on_epoch_begin", epoch, {})
             data = self._batches(train_data, batch_size, collate_fn, shuffle,
                                  self.strategy.seed + epoch)
-            logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip)}
+            logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip, log_freq)}
             skip = 0
             if valid_data is not None and (epoch + 1) % valid_freq == 0:
                 scores = self._evaluate(valid_data, batch_size, valid_steps, collate_fn, hooks)
@@ -425,6 +431,7 @@ class Engine:
             self.sync_model()     # a meta model's pieces stay pieces: state_dict() gathers
         if self.strategy.debug.trace:
             self._write_trace()
+        self.history.settle()
         return self.history
 
     def _batches(self, data, batch_size: int, collate_fn, shuffle: bool = False, seed: int = 0):
@@ -432,25 +439,27 @@ class Engine:
         return on_device(batches(data, batch_size, collate_fn, shuffle, seed,
                                  pin_memory=self.device.type == "cuda"), self.device)
 
-    def _train_epoch(self, data, steps: int | None, hooks: CallbackList, skip: int = 0
-                     ) -> float:
+    def _train_epoch(self, data, steps: int | None, hooks: CallbackList, skip: int = 0,
+                     log_freq: int = 1) -> float:
         """One epoch's batches (fewer when a callback stops training; resuming, the first
         ``skip`` were trained before the checkpoint); their mean loss."""
-        losses = []
+        losses: list[Reading] = []
         for step, (inputs, labels) in enumerate(data, start=1):
             if steps is not None and step > steps:
                 break
             if step <= skip:
                 continue
             hooks.call("on_step_begin", step, {})
-            losses.append(self.train_step(inputs, labels))
+            losses.append(self._train(inputs, labels))
             self.state.progress.batch_in_epoch = step
-            self.history.setdefault("loss", []).append(losses[-1])
+            self.history.add("loss", losses[-1])
             compiled = {"compile_s": self.last_compile_s} if self.last_compile_s else {}
-            hooks.call("on_step_end", step, {"loss": losses[-1], **compiled})
+            hooks.call("on_step_end", step, StepLogs({"loss": losses[-1], **compiled}))
+            if step % max(1, log_freq) == 0:     # values read where they are logged, no sooner
+                self.history.settle()
             if self.stop_training:
                 break
-        return sum(losses) / max(len(losses), 1)
+        return sum(r.value() for r in losses) / max(len(losses), 1)
 
     def _step_on_plateau(self, logs: dict[str, float], validates: bool) -> None:
         """ReduceLROnPlateau: one step per epoch on the validation loss, on epochs that
@@ -498,21 +507,22 @@ class Engine:
 
     def _evaluate(self, valid_data, batch_size: int, steps: int | None,
                   collate_fn: Callable | None, hooks: CallbackList) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        count = 0
+        seen: list[tuple[StepLogs, int]] = []     # each batch's scores (read at the end)
         hooks.call("on_eval_begin", {})
         data = self._batches(valid_data, batch_size, collate_fn)
         for step, (inputs, labels) in enumerate(data, 1):
             if steps is not None and step > steps:
                 break
             loss, outputs = self._forward("eval", inputs, labels)
-            n = batch_size_of(inputs, self.strategy.batch_dim)
-            scores = {"loss": loss} if loss is not None else {}
+            scores = StepLogs({"loss": loss} if loss is not None else {})
             scores.update({name: float(fn(outputs, labels)) for name, fn in self.metrics.items()})
-            for k, v in scores.items():
-                totals[k] = totals.get(k, 0.0) + v * n
-            count += n
+            seen.append((scores, batch_size_of(inputs, self.strategy.batch_dim)))
             hooks.call("on_eval_step_end", step, scores)
+        totals: dict[str, float] = {}
+        for batch_scores, n in seen:
+            for k, v in batch_scores.items():
+                totals[k] = totals.get(k, 0.0) + v * n
+        count = sum(n for _, n in seen)
         scores = {k: v / max(count, 1) for k, v in totals.items()}
         hooks.call("on_eval_end", dict(scores))
         return scores

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 
 
 class ProgressLog:
@@ -15,9 +16,18 @@ class ProgressLog:
         self.total = total
         self.prefix = prefix
         self.start = time.perf_counter()
+        self.shown: str | None = None      # the values of the last log step, as shown
 
-    def step(self, step: int, values: dict[str, float]) -> None:
-        shown = " ".join(f"{k}: {v:.4f}" for k, v in values.items())
+    def step(self, step: int, values: Mapping[str, float]) -> None:
+        """Show step ``step``; its values are read (on a GPU: waited for) only at a log step
+        (every ``log_freq``-th, the last; the bar's first): the bar moves on every step with
+        the last values read."""
+        if self.verbose == 0:
+            return
+        logs = step % self.log_freq == 0 or step == self.total
+        if logs or (self.verbose == 1 and self.shown is None):
+            self.shown = " ".join(f"{k}: {v:.4f}" for k, v in values.items())
+        shown = self.shown
         elapsed = time.perf_counter() - self.start
         if self.verbose == 1:
             total = self.total or "?"
@@ -26,7 +36,7 @@ class ProgressLog:
             bar = "=" * done + "." * (width - done)
             sys.stdout.write(f"\r{self.prefix} {step}/{total} [{bar}] {shown} {elapsed:.1f}s")
             sys.stdout.flush()
-        elif self.verbose >= 2 and (step % self.log_freq == 0 or step == self.total):
+        elif self.verbose >= 2 and logs:
             rate = step / elapsed if elapsed > 0 else float("nan")
             print(f"{self.prefix} step {step}/{self.total or '?'} {shown} ({rate:.2f} steps/s)",
                   flush=True)
