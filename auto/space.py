@@ -68,6 +68,11 @@ class Constraints:
     @classmethod
     def of(cls, strategy: Strategy, annotations: dict[str, DistAttr]) -> "Constraints":
         names = degrees = dims = None
+        dp = strategy.data_parallel
+        if dp is not None and len(dp.mesh_axes) > 1:
+            raise ValueError(f"auto: data_parallel.axis {list(dp.mesh_axes)} spans several mesh "
+                             "dims (HSDP), which the planner does not search yet: give a "
+                             "single data_parallel axis, or plan HSDP by hand (without auto)")
         if strategy.mesh is not None:
             dims = tuple(zip(strategy.mesh.shape, strategy.mesh.dim_names))
             names = {role: getattr(strategy, section).axis for role, section in

@@ -21,6 +21,11 @@ times (each step from a barrier, its time the slowest rank's), the ratio autopar
 ``--profile`` adds where each side's step spends its time (``bench/profile_step.py``).
 ``--compile``: autopar with ``compile: {enable: true}`` vs FSDP2 with each block compiled
 (torchtitan's recipe: ``block.compile()`` before ``fully_shard``).
+
+``--hsdp``: 4 ranks on a 2-D mesh ``[rep, shard]`` of [2, 2]: autopar's
+``data_parallel: {axis: [rep, shard]}`` + ``sharding: {stage: 3, axis: shard}`` vs FSDP2's
+HSDP (``fully_shard(mesh=<2-D mesh>)``: sharded in a ``shard`` group, replicated across
+the groups); each rank trains on its quarter of the batch.
 """
 from __future__ import annotations
 
@@ -60,34 +65,45 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def _args(argv=None) -> argparse.Namespace:
-    return gpt_arguments(__doc__).parse_args(argv)
+    parser = gpt_arguments(__doc__)
+    parser.add_argument("--hsdp", action="store_true",
+                        help="4 ranks: HSDP on a [rep, shard] mesh against FSDP2's HSDP")
+    return parser.parse_args(argv)
 
 
-def strategy() -> ap.Strategy:
-    """``configs/dp.yaml`` with ZeRO stage 3 over its dp axis."""
+def strategy(hsdp: bool = False) -> ap.Strategy:
+    """``configs/dp.yaml`` with ZeRO stage 3 over its dp axis; ``hsdp``:
+    ``configs/hsdp.yaml`` (stage 3 over ``shard`` of a [rep, shard] mesh)."""
+    if hsdp:
+        return ap.Strategy.from_yaml(ROOT / "configs" / "hsdp.yaml")
     config = yaml.safe_load((ROOT / "configs" / "dp.yaml").read_text())
     config["sharding"] = {"stage": 3, "axis": "dp"}
     return ap.Strategy(**config)
 
 
-def fsdp_model(model: GPT, compile: bool = False) -> GPT:
+def fsdp_model(model: GPT, compile: bool = False, hsdp: bool = False) -> GPT:
     """FSDP2 the usual way: each block its own group (compiled first, with ``compile``, as
-    torchtitan does), then the root."""
+    torchtitan does), then the root; ``hsdp``: on a 2-D [rep, shard] mesh of 2 x 2."""
+    mesh = None
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
     for block in model.blocks:
         if compile:
             block.compile()
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def rank_main(args: argparse.Namespace) -> None:
     rank, world = init()
     model, x, y = gpt_and_batch(args)
-    eager, theirs = copy.deepcopy(model), fsdp_model(copy.deepcopy(model), args.compile)
+    eager, theirs = copy.deepcopy(model), fsdp_model(copy.deepcopy(model), args.compile,
+                                                     args.hsdp)
     rows = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
 
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                       strategy=compiled_strategy(strategy(), args.compile))
+                       strategy=compiled_strategy(strategy(args.hsdp), args.compile))
     fsdp_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
 
@@ -115,8 +131,9 @@ def rank_main(args: argparse.Namespace) -> None:
     memory = held_state(engine, eager, eager_opt, "autopar ZeRO-3, per rank",
                         {"FSDP2, per rank": (theirs, fsdp_opt)})
     if rank == 0:
+        layout = "HSDP [rep 2, shard 2]" if args.hsdp else "ZeRO-3 / FSDP2"
         print(f"GPT {args.layers}x{args.width}, global batch {args.batch}x{args.seq}, AdamW, "
-              f"ZeRO-3 / FSDP2 on {world} gloo ranks, {torch.get_num_threads()} thread(s) each"
+              f"{layout} on {world} gloo ranks, {torch.get_num_threads()} thread(s) each"
               + (f"; compiled both (first step: autopar {first['autopar']:.1f} s, FSDP2 + "
                  f"compiled blocks {first['FSDP2']:.1f} s)" if args.compile else ""))
         report(times, "autopar", "FSDP2")
@@ -142,4 +159,4 @@ def _check_losses(ours, theirs, eager) -> None:
 
 
 if __name__ == "__main__":
-    main(__file__, lambda: rank_main(_args()))
+    main(__file__, lambda: rank_main(_args()), world=4 if "--hsdp" in sys.argv else 2)

@@ -192,10 +192,17 @@ class ModelCheckpoint(Callback):
     keeping the newest ``keep_last`` (older ones and stale partial ones are removed); with
     ``monitor`` (an epoch log such as ``val_loss``), also ``dirpath/best`` whenever it
     improves (``mode`` "min" or "max"). ``fit(resume=True)`` continues from the newest
-    ``step_<N>``. ``saved``: the paths written, in order."""
+    ``step_<N>``. ``saved``: the paths written, in order.
+
+    ``async_save``: each save is written in the background (``Engine.save(...,
+    async_save=True)``); pruning counts only committed checkpoints and never touches the
+    one in flight (the newest, still ``.partial``), so up to ``keep_last`` + 1 directories
+    exist until the end of training, when the last save is waited for and pruning runs
+    again."""
 
     def __init__(self, dirpath: str | Path, save_freq: int | str | None = "epoch",
-                 keep_last: int = 2, monitor: str | None = None, mode: str = "min"):
+                 keep_last: int = 2, monitor: str | None = None, mode: str = "min",
+                 async_save: bool = False):
         if not (save_freq is None or save_freq == "epoch"
                 or (isinstance(save_freq, int) and save_freq > 0)):
             raise ValueError(f"ModelCheckpoint: save_freq={save_freq!r} is not a positive "
@@ -207,6 +214,7 @@ class ModelCheckpoint(Callback):
         self.dirpath, self.save_freq, self.keep_last = Path(dirpath), save_freq, keep_last
         self.monitor, self.sign = monitor, 1.0 if mode == "min" else -1.0
         self.best, self.saved = math.inf, []
+        self.async_save = async_save
 
     def on_step_end(self, step: int, logs: Logs) -> None:
         engine = self.engine
@@ -222,13 +230,25 @@ class ModelCheckpoint(Callback):
         value = logs.get(self.monitor) if self.monitor else None
         if value is not None and self.sign * float(value) < self.best:
             self.best = self.sign * float(value)
-            self.saved.append(self.engine.save(self.dirpath / "best"))
+            self.saved.append(self.engine.save(self.dirpath / "best",
+                                               async_save=self.async_save))
+
+    def on_train_end(self, logs: Logs) -> None:
+        if self.async_save:
+            self.engine.wait_for_checkpoint()
+            self._prune()                # the last save is committed: it counts now
 
     def _save_step(self) -> None:
         path = self.dirpath / f"step_{self.engine.global_step:08d}"
         if self.saved and self.saved[-1] == path:
             return                       # this step is saved already (step and epoch end)
-        self.saved.append(self.engine.save(path))
+        # an async save first waits for the one before (committed: counted by prune)
+        self.saved.append(self.engine.save(path, async_save=self.async_save))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Only complete checkpoints count and go; the one in flight is the newest step,
+        which prune never removes (it removes partial ones older than the newest complete)."""
         if not self.engine.distributed or self.engine.is_logging_rank:
             prune(self.dirpath, self.keep_last)
 

@@ -36,11 +36,19 @@ from ..runtime import (
     locate_divergence,
     resolve_device,
 )
-from ..state import RunRecord, TrainState, export_full, load_checkpoint, save_checkpoint
+from ..state import (
+    BackgroundSaver,
+    RunRecord,
+    TrainState,
+    export_full,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ..strategy import Strategy
 from .auto_strategy import auto_profile, plan_auto, with_auto
 from .callbacks import Callback, CallbackList, LRMonitor, ModelCheckpoint, ProgressBar
 from .data import batch_size_of, batches, on_device
+from .elastic import resized
 from .launch import Launch
 from .offline import finish_offline_plan
 from .planner import PlannedStep, Planner, StepCost
@@ -49,7 +57,7 @@ from .readings import History, Reading, StepLogs
 # Sections the engine honours itself, besides those the passes implement
 # (``PassManager.sections``) and the runtime's (``compile``): ``auto`` is settled on the
 # first batch, before planning.
-ENGINE_SECTIONS: frozenset[str] = frozenset({"auto"})
+ENGINE_SECTIONS: frozenset[str] = frozenset({"auto", "elastic"})
 
 Metric = Callable[[Any, Any], float]
 
@@ -79,6 +87,7 @@ class Engine:
             strategy = with_auto(strategy or Strategy(), offline.auto,
                                  keep_layout=offline.strategy is not None)
         self.strategy = strategy if strategy is not None else Strategy()
+        self._resize()
         self.strategy.check_supported(pass_manager().sections | RUNTIME_SECTIONS
                                       | ENGINE_SECTIONS)
         # ``auto``: the planner picks the strategy on the first batch (``_settle_auto``)
@@ -111,6 +120,8 @@ class Engine:
             self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size,
                                         self.device)
         self.planner = self._planner(layout)
+        # the checkpoint written in the background (``save(async_save=True)``), if any
+        self._background = BackgroundSaver(timedelta(seconds=self.strategy.collective_timeout_s))
         self.history = History()     # lists of floats by name (values join when read)
         self.stop_training = False   # a callback sets it; fit checks it after each batch
         self.last_compile_s = 0.0    # seconds the last step spent compiling (``compile:``)
@@ -150,6 +161,16 @@ class Engine:
                        dump_dir=self.dump_dir,
                        process=self.launch.rank if self.distributed else None,
                        every=self.strategy.debug.simulate or self.launch.offline is not None)
+
+    def _resize(self) -> None:
+        """An elastic restart on another world size: the strategy for the world launched
+        (``elastic.on_resize``; ``engine.elastic``), said on the logging rank."""
+        if not self.launch.several(self.strategy.debug.simulate):
+            return
+        self.strategy, note = resized(self.strategy, self.launch.world_size,
+                                      self.launch.restarts > 0)
+        if note is not None and self.launch.rank == 0:
+            print(note, flush=True)
 
     def _check_auto_devices(self) -> None:
         auto = self.strategy.auto
@@ -369,7 +390,8 @@ class Engine:
             collate_fn: Callable | None = None, shuffle: bool = False,
             verbose: int = 2, callbacks: Iterable[Callback] | None = None,
             save_dir: str | os.PathLike | None = None, save_freq: int | str = "epoch",
-            keep_last: int = 2, resume: bool = False) -> dict[str, list[float]]:
+            keep_last: int = 2, resume: bool = False, save_async: bool = False
+            ) -> dict[str, list[float]]:
         """Train; ``history["loss"]`` holds one global-batch mean loss per batch (with
         ``gradient_merge``, k batches make one optimizer step: ``train_step``) and
         ``history["lr"]`` each batch's learning rate. With ``amp.loss_scale``,
@@ -389,7 +411,9 @@ class Engine:
         Checkpoints: with ``save_dir``, a ``ModelCheckpoint`` saves ``save_dir/step_<N>``
         every ``save_freq`` optimizer steps (or each ``"epoch"``), keeping the last
         ``keep_last``. ``resume=True`` first loads the newest complete checkpoint there (if
-        any) and continues from its data position."""
+        any) and continues from its data position. ``save_async=True`` writes them in the
+        background (``save(async_save=True)``): training stalls only for the copy to CPU
+        memory; fit waits for the last one before it returns."""
         if self.optimizer is None:
             raise ValueError("Engine.fit needs an optimizer: Engine(model, loss, optimizer=...)")
         if resume:
@@ -399,7 +423,8 @@ class Engine:
         loaded, progress.resume_at = progress.resume_at, None
         if start >= epochs:
             return self._nothing_to_train(epochs, loaded)
-        saving = [ModelCheckpoint(save_dir, save_freq, keep_last)] if save_dir else []
+        saving = [ModelCheckpoint(save_dir, save_freq, keep_last, async_save=save_async)] \
+            if save_dir else []
         hooks = CallbackList([*saving, *(callbacks or [])], self, before=[LRMonitor()],
                              after=_progress(verbose, log_freq))
         hooks.set_params({"epochs": epochs, "verbose": verbose, "log_freq": log_freq,
@@ -426,6 +451,7 @@ class Engine:
             if self.stop_training:
                 break
         hooks.call("on_train_end", {})
+        self.wait_for_checkpoint()       # a callback's background save, committed or raised
         self._warn_mid_cycle()
         if not (self.distributed and self.state.deferred is not None):
             self.sync_model()     # a meta model's pieces stay pieces: state_dict() gathers
@@ -560,7 +586,8 @@ class Engine:
         self.sync_model()
         return {n: self.state.tensors[n] for n in self.state.module_state_names()}
 
-    def save(self, path: str | os.PathLike, format: str = "dcp") -> Path:
+    def save(self, path: str | os.PathLike, format: str = "dcp", async_save: bool = False
+             ) -> Path:
         """``format="full"``: export the model's ``state_dict`` whole as one ``safetensors``
         file that ``model.load_state_dict`` and Hugging Face ``from_pretrained`` read
         (``state.safetensors_export``; gathered one tensor at a time; ``path`` a file, or a
@@ -570,7 +597,21 @@ class Engine:
         shapes, with what exact resume needs (step counters, data position, LR scheduler
         and param groups) and the strategy it was written under. The directory appears
         only once every process has finished (it is written as ``<path>.partial`` and
-        renamed). Every process calls it."""
+        renamed). Every process calls it.
+
+        ``async_save=True``: copy the state to CPU memory now and write it in the background
+        (DCP's ``async_save``), returning once the copy is made: training may go on, the
+        checkpoint holds the state of this call. It commits as above once every process's
+        write finished. The next ``save``, ``load``, ``close`` (and the end of ``fit``) wait
+        for it first, and raise ``CheckpointError`` naming the path if it failed;
+        ``wait_for_checkpoint()`` waits for it explicitly. Returns the directory it will
+        be."""
+        self.wait_for_checkpoint()
+        if async_save:
+            if format != "dcp":
+                raise ValueError(f"save: async_save=True writes a checkpoint (format='dcp'), "
+                                 f"not format={format!r}")
+            return self._background.save(self.state, self.runtime, path, self._run_record())
         if format == "full":
             return export_full(self.state, self.runtime, path)
         if format != "dcp":
@@ -584,8 +625,16 @@ class Engine:
         them). Restores the step counters, LR scheduler and param groups, and the data
         position the next ``fit`` continues from. A checkpoint of another model is refused,
         naming its missing, unexpected and reshaped keys. Returns the checkpoint's trainer
-        record (``strategy``: the YAML it was written under). Every process calls it."""
+        record (``strategy``: the YAML it was written under). Every process calls it (after
+        waiting for a background save in flight)."""
+        self.wait_for_checkpoint()
         return load_checkpoint(self.state, self.runtime, path, self._run_record())
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the background save in flight (``save(async_save=True)``) is
+        committed; its path, or None when none was in flight. Raises ``CheckpointError``,
+        naming the path, when its write failed on any process (every process calls it)."""
+        return self._background.wait()
 
     def _run_record(self) -> RunRecord:
         """The run's facts a checkpoint records (and where its dumps go)."""
@@ -617,13 +666,17 @@ class Engine:
         Engine(...) as e``): they meet at a barrier first, so none tears down its
         connections while a peer is still finishing. Leaving ``with`` on an exception
         closes without the barrier. An atexit hook releases the groups for a script that
-        does not close. A closed engine runs no more steps on real processes."""
+        does not close. A closed engine runs no more steps on real processes. A background
+        save in flight is waited for first (a failed one raises, after the release)."""
         self._release(together=True)
 
     def _release(self, together: bool) -> None:
-        if not self.closed:
-            self.runtime.close(together=together)
-        self.closed = True
+        try:
+            self._background.close(together=together and not self.closed)
+        finally:
+            if not self.closed:
+                self.runtime.close(together=together)
+            self.closed = True
 
     def __enter__(self) -> "Engine":
         return self

@@ -44,6 +44,7 @@ class Launch:
     dump_override: str | None = None      # AUTOPAR_DUMP_DIR
     offline: OfflinePlanning | None = None
     local_rank: int = 0                   # LOCAL_RANK: this process's device on its node
+    restarts: int = 0                     # TORCHELASTIC_RESTART_COUNT: the agent's restarts
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "Launch":
@@ -57,7 +58,8 @@ class Launch:
                                       environ.get(PLAN_WRITE_ENV) or None)
         return cls(int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1")),
                    environ.get(DUMP_DIR_ENV) or None, offline,
-                   int(environ.get("LOCAL_RANK", environ.get("RANK", "0"))))
+                   int(environ.get("LOCAL_RANK", environ.get("RANK", "0"))),
+                   int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def dump_dir(self, strategy: Strategy) -> str | None:
         """Where dumps go: the launch's AUTOPAR_DUMP_DIR, else the strategy's."""

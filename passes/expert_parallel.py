@@ -113,7 +113,7 @@ def _tokens_split_on(ctx: PassContext, axis: str) -> bool:
     """Whether the batch is sharded on the experts' axis (data parallelism over it): then the
     module's output is each rank's own tokens (reduce-scattered), not every token."""
     dp = ctx.strategy.data_parallel
-    return dp is not None and dp.is_enabled and dp.axis == axis
+    return dp is not None and dp.is_enabled and axis in dp.mesh_axes
 
 
 def expert_stacks(params: dict[str, Value], users: dict[Value, list[Op]]

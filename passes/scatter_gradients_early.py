@@ -23,6 +23,9 @@ then alive at once at the end of the backward, the peak of a stage-3 step. Here:
    units up to ``data_parallel.bucket_mb`` (``_bucketed``). Norm partials (clipping's) and
    single gradients keep their synchronous reduce-scatter.
 
+Under HSDP (data parallel over the sharding dim and others) a unit's pieces are then
+summed over the replicas by one asynchronous all-reduce too (``_reduce_replicas``).
+
 Pipelines are left alone: there a gradient is summed over micro-batches first, once a step.
 """
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
 from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
-from ..reshard.steps import ReduceScatter
+from ..reshard.steps import AllReduce, ReduceScatter
 from .bucket_collectives import FIRST_BUCKET, bucket_bytes
 from .prefetch_gathers import layer_of
 from .zero_sharding import scheduled_axis
@@ -63,7 +66,54 @@ def scatter_gradients_early(program: Program, ctx: PassContext) -> Program:
     units = [u for u in units if len(u) > 1]
     if units:
         program.ops = _rewrite(program, units)
+        _reduce_replicas(program)
     return program
+
+
+def _reduce_replicas(program: Program) -> None:
+    """HSDP (data parallel over more mesh dims than the sharding one): each scattered
+    piece is then summed over the replicas by an all-reduce of its own, synchronous, just
+    before its update. A unit's pieces so summed become one asynchronous all-reduce started
+    right after the unit's wait and waited for where the first of them was (FSDP2's HSDP:
+    reduce-scatter in the shard group, then all-reduce across the replicas)."""
+    users = program.users()
+    position = {op: i for i, op in enumerate(program.ops)}
+    moves: list[tuple[Op, list[Op]]] = []
+    for wait in program.ops:
+        if wait.target != "comm.wait" or not str(wait.attrs.get(COMM_TEXT, "")).startswith(
+                "reduce-scatter unit"):
+            continue
+        sums = [users.get(v, []) for v in wait.outputs]
+        if not all(len(u) == 1 and _is_replica_sum(u[0]) for u in sums):
+            continue
+        comms = [u[0] for u in sums]
+        if len({(c.attrs[RESHARD_STEP].mesh_dim, c.attrs[RESHARD_STEP].op) for c in comms}) == 1:
+            moves.append((wait, comms))
+    if not moves:
+        return
+    placed: dict[Op, list[Op]] = {}     # the op a start goes after -> starts
+    waits_at: dict[Op, Op] = {}         # the first old all-reduce -> its bucket's wait
+    for k, (wait, comms) in enumerate(moves):
+        start, done = _replica_pair(comms, wait.attrs[COMM_TEXT], k)
+        placed.setdefault(wait, []).append(start)
+        waits_at[min(comms, key=position.__getitem__)] = done
+    dropped = {c for _, comms in moves for c in comms}
+    program.ops = [new for op in program.ops
+                   for new in ([waits_at[op]] if op in waits_at else [])
+                   + ([] if op in dropped else [op]) + placed.get(op, [])]
+
+
+def _is_replica_sum(op: Op) -> bool:
+    step = op.attrs.get(RESHARD_STEP)
+    return op.kind is OpKind.COMM and isinstance(step, AllReduce) and step.op in BUCKETED_OPS
+
+
+def _replica_pair(comms: list[Op], unit: str, number: int) -> tuple[Op, Op]:
+    inputs = tuple(c.args[0] for c in comms)
+    steps = tuple(c.attrs[RESHARD_STEP] for c in comms)
+    label = f"replica sum {number}"
+    text = f"{label}: {unit}'s {len(comms)} pieces, {_kib(inputs):.1f} KiB, {steps[0]}"
+    return _start_and_wait("comm.all_reduce_start", comms, steps, text, label)
 
 
 def _is_gradient_scatter(op: Op, axis: int) -> bool:
@@ -155,21 +205,32 @@ def _wait_position(ops: list[Op], wait: Op, next_start: Op | None) -> int:
 def _pair(unit: list[Op], number: int) -> tuple[Op, Op]:
     inputs = tuple(op.args[0] for op in unit)
     steps = tuple(op.attrs[RESHARD_STEP] for op in unit)
-    size = sum(v.type.numel * v.type.dtype.itemsize for v in inputs)
     text = (f"reduce-scatter unit {number}: {len(unit)} gradients "
-            f"({unit[0].args[0].producer.module or 'top level'}...), {size / 1024:.1f} KiB, "
+            f"({unit[0].args[0].producer.module or 'top level'}...), {_kib(inputs):.1f} KiB, "
             f"{steps[0]}")
+    return _start_and_wait("comm.reduce_scatter_start", unit, steps, text,
+                           f"reduce-scatter unit {number}")
+
+
+def _kib(values: tuple[Value, ...]) -> float:
+    return sum(v.type.numel * v.type.dtype.itemsize for v in values) / 1024
+
+
+def _start_and_wait(target: str, comms: list[Op], steps: tuple, text: str, label: str
+                    ) -> tuple[Op, Op]:
+    """One asynchronous collective over ``comms``' inputs: its start and its wait, which
+    makes the old ops' results (so their readers do not change)."""
+    inputs = tuple(c.args[0] for c in comms)
     handle = Value(HANDLE)
-    start = Op(OpKind.COMM, "comm.reduce_scatter_start", inputs, outputs=[handle],
-               role=Role.COMM, module=unit[0].module,
+    start = Op(OpKind.COMM, target, inputs, outputs=[handle], role=Role.COMM,
+               module=comms[0].module,
                attrs={COMM_TEXT: text, FOR_ROLE: Role.OPTIMIZER, BUCKET_STEPS: steps})
     start.needs = tuple(v.dist for v in inputs)
     handle.producer, handle.index = start, 0
-    results = [op.result for op in unit]
+    results = [c.result for c in comms]
     wait = Op(OpKind.COMM, "comm.wait", (handle,), outputs=results, role=Role.COMM,
-              module=unit[0].module,
-              attrs={COMM_TEXT: f"reduce-scatter unit {number}", MULTI: True,
-                     FOR_ROLE: Role.OPTIMIZER})
+              module=comms[0].module,
+              attrs={COMM_TEXT: label, MULTI: True, FOR_ROLE: Role.OPTIMIZER})
     for index, v in enumerate(results):
         v.producer, v.index = wait, index
     return start, wait

@@ -30,8 +30,8 @@ def shard_batch(program: Program, ctx: PassContext) -> Program:
         return program
     axes = []          # (mesh dim, why), dp first: it cuts the global batch
     dp = ctx.strategy.data_parallel
-    if dp is not None and dp.is_enabled:
-        axes.append((dp.axis, f"data_parallel.axis {dp.axis}"))
+    if dp is not None and dp.is_enabled:       # several: each cuts the pieces of the one before
+        axes += [(axis, f"data_parallel.axis {axis}") for axis in dp.mesh_axes]
     if pipeline is not None and pipeline.micro_batches > 1:
         axes.append((MICRO_BATCH_DIM, f"pipeline: {pipeline.micro_batches} micro-batches "
                                       "of each piece"))

@@ -147,8 +147,11 @@ def check_launch(expected_world_size: int, world: int) -> None:
     if world != expected_world_size:
         raise ValueError(
             f"the strategy's mesh has {expected_world_size} ranks but WORLD_SIZE is {world}: "
-            f"launch with `torchrun --nproc-per-node {expected_world_size} script.py` (or set "
-            "debug.simulate: true to run every rank in this process)")
+            f"launch {expected_world_size} processes in all (`torchrun --nproc-per-node "
+            f"{expected_world_size} script.py`, or machines x --nproc-per-node = "
+            f"{expected_world_size} over several machines; or set "
+            "debug.simulate: true to run every rank in this process; for an elastic job "
+            "whose world size changes, elastic: {on_resize: data_parallel | auto})")
 
 
 def init_distributed(device: torch.device, expected_world_size: int, world: int,
@@ -163,7 +166,8 @@ def init_distributed(device: torch.device, expected_world_size: int, world: int,
             raise RuntimeError("WORLD_SIZE is set but MASTER_ADDR is not: launch with torchrun")
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend_for(device), timeout=timeout)
+        dist.init_process_group(backend_for(device), timeout=timeout,
+                                **_attempt_store(os.environ, timeout))
         _TIMEOUT[0] = timeout
         _OWN_DEFAULT[0] = True
         atexit.register(shutdown)      # a script that never calls Engine.close()
@@ -171,6 +175,22 @@ def init_distributed(device: torch.device, expected_world_size: int, world: int,
         raise ValueError(f"the process group has {dist.get_world_size()} ranks, the strategy's "
                          f"mesh {expected_world_size}")
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(environ, timeout: timedelta | None) -> dict:
+    """After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0): the env:// store under a
+    prefix of its own (``init_process_group``'s ``store``, ``rank``, ``world_size``). With c10d
+    rendezvous torchrun hands the workers of every attempt its one rendezvous store, with no
+    prefix per attempt, so the new default group could read the dead attempt's addresses (a
+    peer's gloo address from before the restart: connection refused). Else nothing: torch's
+    own env:// rendezvous."""
+    restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts == 0:
+        return {}
+    store, rank, world = next(dist.rendezvous(
+        "env://", timeout=timeout or dist.default_pg_timeout))
+    return {"store": dist.PrefixStore(f"autopar/attempt_{restarts}", store),
+            "rank": rank, "world_size": world}
 
 
 def resolve_device(choice: str, local_rank: int) -> torch.device:

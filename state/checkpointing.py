@@ -59,7 +59,7 @@ from ..strategy import Strategy
 from .train_state import TrainState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointMismatch",
-           "PendingLoad", "RunRecord", "TRAINER_KEY"]
+           "PendingLoad", "RunRecord", "SaveJob", "begin_save", "dump_save", "TRAINER_KEY"]
 
 TRAINER_KEY = "autopar.trainer"
 FORMAT = "autopar-checkpoint/1"
@@ -87,9 +87,49 @@ class RunRecord:
 
 # -- saving ---------------------------------------------------------------------------------
 
-def save_checkpoint(state: TrainState, runtime: Any, path: str | os.PathLike,
-                    run: RunRecord) -> Path:
-    """Write the training state to the directory ``path`` (every process calls it)."""
+@dataclass
+class SaveJob:
+    """One save, between its start (every process at the call) and its commit: what this
+    process writes, and the directory it becomes. The synchronous save and the background
+    one (``state.async_save``) share it, so both commit alike."""
+
+    target: CheckpointDir
+    chunks: list[Chunk]              # this process's boxes (views of the live state)
+    blobs: dict[str, bytes]          # the trainer record, by key
+    required: list[str]              # the keys some process must have written
+    distributed: bool                # real processes (DCP coordinates them)
+    coordinator: bool                # the process that commits
+
+    def planner(self) -> BoxSavePlanner:
+        return BoxSavePlanner(self.chunks, self.blobs)
+
+    def writer(self) -> FileSystemWriter:
+        return FileSystemWriter(self.target.partial)
+
+    def failure(self, failed: BaseException) -> CheckpointError:
+        """The error every process raises for a write that failed (DCP's, or another)."""
+        if isinstance(failed, CheckpointError):
+            return failed
+        if isinstance(failed, CheckpointException):
+            return CheckpointError(f"save to {self.target.final} failed on rank(s) "
+                                   f"{sorted(failed.failures)}: {_first_failure(failed)}; it "
+                                   f"stays {self.target.partial.name} and earlier checkpoints "
+                                   "are intact")
+        return CheckpointError(f"save to {self.target.final} failed: {type(failed).__name__}: "
+                               f"{failed}; it stays {self.target.partial.name}")
+
+    def commit(self, written: Metadata) -> None:
+        """After DCP returned (on the coordinator, that means every process wrote: DCP
+        gathers their write results before writing ``.metadata``): check, then rename."""
+        _check_complete(self.required, written, self.target)   # the same metadata everywhere
+        if self.coordinator:
+            self.target.commit()
+
+
+def begin_save(state: TrainState, runtime: Any, path: str | os.PathLike, run: RunRecord
+               ) -> SaveJob:
+    """Refuse what cannot be saved, collect this process's boxes, and clear the partial
+    directory before anyone writes (every process calls it; a collective)."""
     k, trained = run.strategy.gradient_merge.k_steps, state.progress.batches_trained
     if trained % k:
         raise ValueError(f"save: {trained % k} batch(es) into a gradient_merge cycle of "
@@ -100,27 +140,35 @@ def save_checkpoint(state: TrainState, runtime: Any, path: str | os.PathLike,
         raise ValueError("save: on real processes the state is placed by the first step; "
                          "train (or evaluate) once before saving")
     chunks = _rank_chunks(state, runtime) if distributed else _local_chunks(state, run)
-    target = CheckpointDir(path)
-    coordinator = not distributed or dist.get_rank() == 0
-    if coordinator:
-        target.prepare()
+    job = SaveJob(CheckpointDir(path), chunks,
+                  {TRAINER_KEY: json.dumps(_trainer_record(state, run)).encode()},
+                  _required_keys(state), distributed,
+                  not distributed or dist.get_rank() == 0)
+    if job.coordinator:
+        job.target.prepare()
     _barrier(distributed)
-    blobs = {TRAINER_KEY: json.dumps(_trainer_record(state, run)).encode()}
+    return job
+
+
+def save_checkpoint(state: TrainState, runtime: Any, path: str | os.PathLike,
+                    run: RunRecord) -> Path:
+    """Write the training state to the directory ``path`` (every process calls it)."""
+    job = begin_save(state, runtime, path, run)
     try:
         with _single_process_quietly():
-            written = dcp.save({}, storage_writer=FileSystemWriter(target.partial),
-                               planner=BoxSavePlanner(chunks, blobs), no_dist=not distributed)
+            written = dcp.save({}, storage_writer=job.writer(), planner=job.planner(),
+                               no_dist=not job.distributed)
     except CheckpointException as failed:
-        raise CheckpointError(f"save to {target.final} failed on rank(s) "
-                              f"{sorted(failed.failures)}: {_first_failure(failed)}; it stays "
-                              f"{target.partial.name} and earlier checkpoints are intact"
-                              ) from failed
-    _check_complete(state, written, target)     # every process sees the same metadata
-    if coordinator:
-        target.commit()
-    _barrier(distributed)
-    _dump(run, distributed, f"save_{target.final.name}", chunks)
-    return target.final
+        raise job.failure(failed) from failed
+    job.commit(written)
+    _barrier(job.distributed)
+    dump_save(run, job)
+    return job.target.final
+
+
+def dump_save(run: RunRecord, job: SaveJob) -> None:
+    """The dump of the boxes a save writes (``debug.dump_dir``)."""
+    _dump(run, job.distributed, f"save_{job.target.final.name}", job.chunks)
 
 
 def _dump(run: RunRecord, distributed: bool, name: str, chunks: list[Chunk]) -> None:
@@ -139,12 +187,16 @@ def _dump(run: RunRecord, distributed: bool, name: str, chunks: list[Chunk]) -> 
     path.write_text("\n".join(lines) + "\n")
 
 
-def _check_complete(state: TrainState, written: Metadata, target: CheckpointDir) -> None:
+def _required_keys(state: TrainState) -> list[str]:
+    """The keys of every parameter and persistent buffer (and their tied aliases)."""
+    module = _written_keys(state, state.module_state_names())
+    return [k for keys in module.values() for k in keys]
+
+
+def _check_complete(required: list[str], written: Metadata, target: CheckpointDir) -> None:
     """Every parameter and persistent buffer has boxes in the checkpoint (DCP checks that the
     boxes of each key it got tile it; a key no process wrote would go unnoticed)."""
-    module = _written_keys(state, state.module_state_names())
-    missing = sorted(k for keys in module.values() for k in keys
-                     if k not in written.state_dict_metadata)
+    missing = sorted(k for k in required if k not in written.state_dict_metadata)
     if missing:
         raise CheckpointError(f"save to {target.final}: no process wrote {', '.join(missing[:10])}"
                               f"{' ...' if len(missing) > 10 else ''}; it stays "

@@ -13,6 +13,7 @@ The strategy is pure data: it imports nothing of autopar's. What needs the mesh 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ from .sections import (
     CompileConfig,
     DataParallelConfig,
     DebugConfig,
+    ElasticConfig,
     ExpertParallelConfig,
     GradClipConfig,
     GradientMergeConfig,
@@ -97,6 +99,7 @@ class Strategy(BaseModel):
     grad_clip: GradClipConfig = Field(default_factory=GradClipConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     seed: int = Field(default=0, strict=True, ge=0, lt=2**64)  # what torch.manual_seed takes
     # Where every process computes: ``cuda`` (device LOCAL_RANK: parameters, optimizer state
     # and every fed batch there, NCCL between processes), ``cpu`` (gloo), ``auto``: CUDA when
@@ -171,8 +174,9 @@ class Strategy(BaseModel):
 
     def _axis_problems(self) -> list[str]:
         names = self.mesh.dim_names if self.mesh is not None else ()
-        return [f"{name}.axis {config.axis!r}{_noted(config)} is not one of the mesh dim_names"
-                for name, config in self._axis_sections().items() if config.axis not in names
+        return [f"{name}.axis {axis!r}{_noted(config)} is not one of the mesh dim_names"
+                for name, config in self._axis_sections().items() for axis in config.mesh_axes
+                if axis not in names
                 # a pipeline without a mesh takes its stages from the meshes layers are
                 # annotated on (semi-auto); the planner checks there are several
                 and not (name == "pipeline" and self.mesh is None)
@@ -183,10 +187,11 @@ class Strategy(BaseModel):
 
     def _shared_axis_problems(self) -> list[str]:
         sections = list(self._axis_sections().items())
-        return [f"{a}.axis and {b}.axis are both {ca.axis!r}; only data_parallel may share "
+        return [f"{a}.axis and {b}.axis are both {axis!r}; only data_parallel may share "
                 f"an axis (with sharding or expert_parallel)" + _why_not_shared(ca, cb)
                 for i, (a, ca) in enumerate(sections) for b, cb in sections[i + 1:]
-                if ca.axis == cb.axis and not self._may_share(a, b, ca.axis)]
+                for axis in ca.mesh_axes
+                if axis in cb.mesh_axes and not self._may_share(a, b, axis)]
 
     def _may_share(self, a: str, b: str, axis: str) -> bool:
         """Pairs of SHAREABLE_AXES, and ZeRO with experts split over the data-parallel ranks
@@ -195,7 +200,7 @@ class Strategy(BaseModel):
         pair = frozenset({a, b})
         return pair in SHAREABLE_AXES or (
             pair == {"sharding", "expert_parallel"} and self.data_parallel is not None
-            and self.data_parallel.axis == axis)
+            and axis in self.data_parallel.mesh_axes)
 
     def _batch_dim_problems(self) -> list[str]:
         dp, pipe = self.data_parallel, self.pipeline
@@ -245,7 +250,7 @@ class Strategy(BaseModel):
         config = getattr(self, section)
         if config is None or not config.is_enabled or self.mesh is None:
             return 1
-        return self.mesh.axis_size(config.axis)
+        return math.prod(self.mesh.axis_size(axis) for axis in config.mesh_axes)
 
     def parallel_degrees(self) -> dict[str, int]:
         """Degree of every parallel section, in a fixed order (1 for those that are off)."""
@@ -271,7 +276,8 @@ class Strategy(BaseModel):
             state = ("absent" if config is None else
                      f"axis {config.axis!r}" if config.is_enabled else "off")
             parts.append(f"{name}={self.degree(name)} ({state})")
-        used = {config.axis for config in self._axis_sections().values() if config.is_enabled}
+        used = {axis for config in self._axis_sections().values() if config.is_enabled
+                for axis in config.mesh_axes}
         unused = [n for n in (self.mesh.dim_names if self.mesh else ()) if n not in used]
         if unused:
             parts.append(f"dims used by no section (replicated): {unused}")

@@ -75,6 +75,13 @@ class Section(BaseModel):
         """What the section does, in a few words, for errors about its axis ('': nothing)."""
         return ""
 
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh dims a parallel section spans (its ``axis``; data_parallel may list
+        several)."""
+        axis = getattr(self, "axis", None)
+        return () if axis is None else (axis,)
+
 
 class MeshConfig(Section):
     """The device mesh: ``shape`` gives each dim's size, the last dim is the fastest link."""
@@ -126,10 +133,14 @@ class MeshConfig(Section):
 
 
 class DataParallelConfig(Section):
-    """Inputs and labels are sharded on their batch dim over ``axis``; grads are averaged."""
+    """Inputs and labels are sharded on their batch dim over ``axis``; grads are averaged.
+    ``axis`` may list several mesh dims (``[rep, shard]``): the batch is cut over each in
+    turn, and the gradients are summed over all of them. With ZeRO over one of them
+    (``sharding: {stage: 3, axis: shard}``) that is HSDP (FSDP2's 2-D mesh): the state is
+    sharded inside a ``shard`` group and replicated across the groups."""
 
     SECTION: ClassVar[str] = "data_parallel"
-    axis: AxisName = "dp"
+    axis: AxisName | tuple[AxisName, ...] = "dp"
     # Gradient all-reduces are fused into buckets of about this many MiB (DDP's
     # bucket_cap_mb), each issued as soon as its last gradient exists and waited for just
     # before the optimizer reads it, so communication overlaps the rest of the backward.
@@ -137,6 +148,21 @@ class DataParallelConfig(Section):
     bucket_mb: Annotated[float, Field(ge=0)] = 25.0
     # the dim of the fed tensors that is the batch, e.g. 1 for [seq, batch, ...] inputs
     batch_dim: BatchDim = 0
+
+    @field_validator("axis")
+    @classmethod
+    def _distinct_axes(cls, value: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        if isinstance(value, tuple):
+            if not value or len(set(value)) != len(value):
+                raise ValueError(f"data_parallel.axis {list(value)}: a list of axes must name "
+                                 "one or more distinct mesh dims")
+            if len(value) == 1:
+                return value[0]
+        return value
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        return self.axis if isinstance(self.axis, tuple) else (self.axis,)
 
 
 class TensorParallelConfig(Section):
@@ -446,6 +472,22 @@ class AutoConfig(Section):
         if value is not None and len(set(value)) != len(value):
             raise ValueError(f"auto: {list(value)} repeats an entry")
         return value
+
+
+class ElasticConfig(Section):
+    """What a launch of another world size than the strategy's does (an elastic restart that
+    lost or gained a node: torchrun ``--nnodes MIN:MAX``). ``on_resize``: ``error`` (the
+    default) refuses it naming both sizes; ``data_parallel`` resizes the data-parallel axis
+    (the first one listed, the replicas under HSDP) to take the new world, the other mesh
+    dims kept; ``auto`` lets the planner choose the layout for the new world (as ``auto:``).
+    The global batch is kept: each rank's share of it changes, and the log says so."""
+
+    SECTION: ClassVar[str] = "elastic"
+    on_resize: Literal["error", "data_parallel", "auto"] = "error"
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.on_resize != "error"
 
 
 class DebugConfig(Section):

@@ -45,14 +45,45 @@ def launch(world: int, out: Path, *script: str, env: dict[str, str] | None = Non
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
     """Wait for torchrun; '' when it exited 0, else what went wrong. A launch past its time
-    limit is killed with all its workers (they share its session)."""
+    limit is stopped with all its workers (``stop``)."""
     try:
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop(proc)
         return f"timed out after {timeout:.0f} s"
     return "" if code == 0 else f"torchrun exited with {code}"
+
+
+def stop(agent: subprocess.Popen) -> None:
+    """Stop a torchrun agent and its workers. torchrun starts each worker in a session of
+    its own, so killing the agent's process group would leave them running: SIGTERM lets
+    the agent stop them itself; whatever still runs after that is killed, workers by their
+    sessions."""
+    workers = _children(agent.pid)
+    agent.send_signal(signal.SIGTERM)
+    try:
+        agent.wait(15)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in (agent.pid, *workers):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    agent.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def run_ranks(scenario: str, world: int, *args: str, timeout: float = 240) -> list[Any]:

@@ -39,6 +39,62 @@ def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0
             "optim": engine.optimizer.state_dict()["state"], "predict": predicted}
 
 
+def train_nodes(config: str, optim: str, steps: str, batch: str, dropout: str) -> dict:
+    """``train_gpt`` on a launch of several torchrun agents (``tests/test_multinode.py``):
+    its losses and final state, plus what this rank's agent told it (torchrun's variables,
+    the test's own ``AUTOPAR_TEST_NODE`` label of the agent), what the engine read of it
+    (``engine.launch``, ``engine.device``) and the ranks of each c10d group it trains in."""
+    from autopar.models.gpt import lm_loss
+    from autopar.runtime.process_groups import _CACHE
+    model = parity_gpt(optim, dropout=float(dropout))
+    optimizer, scheduler = gpt_optimizer(optim, model)
+    strategy = ap.Strategy.from_yaml(ROOT / "configs" / f"{config}.yaml")
+    engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy, lr_scheduler=scheduler)
+    history = engine.fit(lm_data(int(steps) * int(batch), 16, 64), batch_size=int(batch),
+                         verbose=0)
+    groups = {mesh.dim_names[d]: mine.axes[d].ranks
+              for mesh, mine in _CACHE.items() for d in range(mesh.ndim)}
+    environ = {k: os.environ.get(k) for k in ("AUTOPAR_TEST_NODE", "RANK", "WORLD_SIZE",
+                                              "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                              "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR")}
+    return {"loss": history["loss"], "state": engine.state_dict(), "environ": environ,
+            "agent_pid": os.getppid(), "launch": engine.launch, "device": str(engine.device),
+            "groups": groups}
+
+
+def train_elastic(save_dir: str, marker_dir: str, steps: str, batch: str) -> dict:
+    """dp4 with ``elastic: {on_resize: data_parallel}``, a checkpoint every step, resumed
+    from the newest (``tests/test_multinode.py``). On the first attempt the workers of the
+    agent labelled 1 stop after step 2 (each writes a marker and sleeps: the test then kills
+    that agent, a lost machine); the survivors' collectives fail, their agent restarts them
+    on the world that is left, and the engine resizes dp and resumes. What the restarted
+    run trained: its losses, its mesh, where it resumed, the agent's restart count."""
+    import time
+
+    from autopar.engine.callbacks import Callback
+    from autopar.models.gpt import lm_loss
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    class LoseNodeOne(Callback):
+        def on_step_end(self, step: int, logs: dict) -> None:
+            if restarts == 0 and self.engine.global_step == 2 \
+                    and os.environ["AUTOPAR_TEST_NODE"] == "1":
+                (Path(marker_dir) / f"rank{os.environ['RANK']}").write_text("ready")
+                time.sleep(600)                  # until the test kills this machine
+
+    model = parity_gpt("adamw", dropout=0.1)
+    optimizer, scheduler = gpt_optimizer("adamw", model)
+    strategy = ap.Strategy.from_yaml_str(
+        "mesh: {shape: [4], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
+        "elastic: {on_resize: data_parallel}\ncollective_timeout_s: 60\n")
+    engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy, lr_scheduler=scheduler)
+    history = engine.fit(lm_data(int(steps) * int(batch), 16, 64), batch_size=int(batch),
+                         steps_per_epoch=int(steps), verbose=0, save_dir=save_dir,
+                         save_freq=1, keep_last=3, resume=True, callbacks=[LoseNodeOne()])
+    return {"loss": history["loss"], "mesh": engine.strategy.mesh.shape,
+            "restarts": restarts, "steps": engine.global_step}
+
+
 def train_auto(steps: str, profile: str) -> dict:
     """``auto: {devices: 2}``: rank 0 plans, every rank trains its choice
     (``tests/test_auto_search.py``)."""
@@ -164,6 +220,20 @@ def train_offload(steps: str, batch: str) -> dict:
         results[layout] = {"loss": history["loss"], "state": engine.state_dict(),
                            "on_host": {p.key.kind.value for p in pieces.values() if p.on_host}}
     return results
+
+
+def train_hsdp(steps: str, batch: str) -> dict:
+    """The AdamW GPT of ``parity_gpt`` (vocabulary 65, dropout 0.1) on ``configs/hsdp.yaml``
+    (4 ranks: data parallel over [rep, shard], ZeRO-3 over shard): the losses and the
+    gathered ``engine.state_dict()``."""
+    from autopar.models.gpt import lm_loss
+    model = parity_gpt("adamw", vocab=65, dropout=0.1)
+    optimizer, scheduler = gpt_optimizer("adamw", model)
+    engine = ap.Engine(model, lm_loss, optimizer, lr_scheduler=scheduler,
+                       strategy=ap.Strategy.from_yaml(ROOT / "configs" / "hsdp.yaml"))
+    history = engine.fit(lm_data(int(steps) * int(batch), 16, 65), batch_size=int(batch),
+                         verbose=0)
+    return {"loss": history["loss"], "state": engine.state_dict()}
 
 
 def train_meta(layout: str, steps: str) -> dict:
@@ -500,6 +570,53 @@ def ckpt_crash_save(save_dir: str) -> dict:
     return {"first": first, "error": error, "catchable": catchable}
 
 
+def ckpt_async(save_dir: str) -> dict:
+    """dp2, background checkpoints (``tests/test_checkpoint_async.py``): ``fit`` of 8
+    batches saving every 2 steps with ``save_async=True``, keeping 2 (the state
+    ``state_dict`` gathers at each save, what ``save_dir`` holds after fit); then a save
+    whose write on rank 1 sleeps 1.5 s (committed 0.5 s after the call? after the wait?);
+    then one whose write raises on rank 1 only (what each rank's wait raised)."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from autopar.checkpoint.store import is_checkpoint
+    engine = _ckpt_engine("dp", timeout_s=60.0)
+    capture = _CaptureAtSaves(2)
+    engine.fit(lm_data(8 * CKPT_BATCH, 16, 64), batch_size=CKPT_BATCH, shuffle=True,
+               verbose=0, save_dir=save_dir, save_freq=2, keep_last=2, save_async=True,
+               callbacks=[capture])
+    after_fit = sorted(p.name for p in Path(save_dir).iterdir())
+    write, on_rank1 = FileSystemWriter.write_data, os.environ["RANK"] == "1"
+
+    def slow(self, plan, planner):
+        if on_rank1:
+            time.sleep(1.5)
+        return write(self, plan, planner)
+    FileSystemWriter.write_data = slow
+    engine.save(Path(save_dir) / "slow", async_save=True)
+    time.sleep(0.5)
+    slow_result = {"committed_early": is_checkpoint(Path(save_dir) / "slow")}
+    engine.wait_for_checkpoint()
+    slow_result["committed_after_wait"] = is_checkpoint(Path(save_dir) / "slow")
+
+    def failing(self, plan, planner):
+        if on_rank1:
+            raise OSError("disk full (planted by ckpt_async on rank 1)")
+        return write(self, plan, planner)
+    FileSystemWriter.write_data = failing
+    engine.save(Path(save_dir) / "failed", async_save=True)
+    try:
+        engine.wait_for_checkpoint()
+        error = None
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    FileSystemWriter.write_data = write
+    engine.close()
+    return {"captured": {s: c["state"] for s, c in capture.captured.items()},
+            "after_fit": after_fit, "slow": slow_result, "error": error}
+
+
 def export_full(config: str, path: str, steps: str, meta: str) -> dict:
     """The GPT of ``parity_gpt`` (tied embedding and head; built on the meta device when
     ``meta`` is "1") trained ``steps`` steps on ``configs/<config>.yaml``, then exported
@@ -557,15 +674,18 @@ def compiled_dump(config: str, dump_dir: str) -> dict:
 
 SCENARIOS = {"train_scaled": train_scaled, "train_compiled": train_compiled,
              "compiled_dump": compiled_dump,
-             "train_gpt": train_gpt, "train_auto": train_auto, "train_and_close": train_and_close,
+             "train_gpt": train_gpt, "train_nodes": train_nodes,
+             "train_elastic": train_elastic, "train_auto": train_auto,
+             "train_and_close": train_and_close,
              "train_until_killed": train_until_killed, "collectives": collectives,
              "memory_peaks": memory_peaks, "train_zero": train_zero, "train_meta": train_meta,
              "train_merge": train_merge, "amp_ranks": amp_ranks,
              "train_callbacks": train_callbacks,
              "ckpt_train": ckpt_train, "ckpt_resume": ckpt_resume,
              "ckpt_until_killed": ckpt_until_killed, "ckpt_load": ckpt_load,
-             "ckpt_crash_save": ckpt_crash_save,
-             "export_full": export_full, "train_offload": train_offload}
+             "ckpt_crash_save": ckpt_crash_save, "ckpt_async": ckpt_async,
+             "export_full": export_full, "train_offload": train_offload,
+             "train_hsdp": train_hsdp}
 
 
 def main() -> None:
