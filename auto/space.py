@@ -131,7 +131,12 @@ def base_layouts(auto: AutoConfig, fixed: Constraints, rows: int) -> tuple[list[
     triples = [fixed.degrees] if fixed.degrees else sorted(
         degree_triples(auto.devices, auto.axes), key=lambda t: (t[2], t[1]))
     layouts, skipped = [], []
+    per_node = auto.devices // auto.nodes
     for dp, tp, pp in triples:
+        if per_node % tp and not fixed.degrees:
+            skipped.append(f"tp{tp}: would cross a node ({auto.devices} devices on "
+                           f"{auto.nodes} nodes: {per_node} per node)")
+            continue
         if rows % dp:
             skipped.append(f"dp{dp}: the batch of {rows} rows does not split into {dp}")
             continue

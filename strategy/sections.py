@@ -452,10 +452,14 @@ class AutoConfig(Section):
     predicts fastest within ``memory_limit_gb`` per rank. Sections written beside ``auto``
     are constraints it keeps (a mesh, a tensor-parallel plan, a ZeRO stage, ...), and so are
     ``shard_tensor`` annotations. ``profile``: a machine profile JSON (``python -m autopar
-    calibrate``); default this machine's, else the shipped reference (the report says so)."""
+    calibrate``); default this machine's, else the shipped reference (the report says so).
+    ``nodes``: the machines ``devices`` span; tensor parallelism never crosses one."""
 
     SECTION: ClassVar[str] = "auto"
     devices: PositiveInt
+    # machines the devices are spread over, evenly: tensor parallelism stays inside one
+    # (its collectives run every layer; the mesh puts tp last, on consecutive ranks)
+    nodes: PositiveInt = 1
     memory_limit_gb: Annotated[float, Field(gt=0)] | None = None
     axes: tuple[Literal["dp", "tp", "pp"], ...] = Field(default=("dp", "tp", "pp"), min_length=1)
     zero_stages: tuple[Annotated[int, Field(strict=True, ge=0, le=3)], ...] = (0, 1, 2, 3)
@@ -472,6 +476,13 @@ class AutoConfig(Section):
         if value is not None and len(set(value)) != len(value):
             raise ValueError(f"auto: {list(value)} repeats an entry")
         return value
+
+    @model_validator(mode="after")
+    def _nodes_split_devices(self) -> "AutoConfig":
+        if self.devices % self.nodes:
+            raise ValueError(f"auto: {self.devices} devices do not spread evenly over "
+                             f"{self.nodes} nodes (devices = nodes x processes per node)")
+        return self
 
 
 class ElasticConfig(Section):

@@ -217,6 +217,19 @@ def test_the_search_space():
     assert {lay.micro_batches for lay in layouts if lay.pp == 2} == {2}   # 6 rows: 2, not 4
 
 
+def test_tensor_parallelism_stays_inside_a_node():
+    """``auto: {devices: 16, nodes: 2}``: tp over at most a node's 8 devices (the mesh puts tp
+    last, on consecutive ranks: the ranks of one node)."""
+    layouts, skipped = base_layouts(AutoConfig(devices=16, nodes=2), Constraints(), rows=16)
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8}
+    assert any("tp16: would cross a node (16 devices on 2 nodes: 8 per node)" in s
+               for s in skipped)
+    one_node, _ = base_layouts(AutoConfig(devices=16), Constraints(), rows=16)
+    assert 16 in {lay.tp for lay in one_node}
+    with pytest.raises(ValueError, match="do not spread evenly over 3 nodes"):
+        AutoConfig(devices=16, nodes=3)
+
+
 def test_auto_yaml_round_trips_and_is_validated():
     text = "auto: {devices: 8, memory_limit_gb: 16, axes: [dp, tp], zero_stages: [0, 1]}\n"
     strategy = ap.Strategy.from_yaml_str(text)
