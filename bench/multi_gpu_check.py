@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import os
 import statistics
 import subprocess
@@ -89,10 +90,11 @@ def _optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, object]:
 
 
 def _engine(model: torch.nn.Module, strategy: ap.Strategy, device: torch.device) -> ap.Engine:
-    """autopar on ``strategy``, its one mesh dim the launch's width, on ``device``'s type
+    """autopar on ``strategy`` (a mesh of one dim: the launch's width), on ``device``'s type
     (the engine takes ``cuda:LOCAL_RANK`` itself)."""
     config = strategy.model_dump(exclude_unset=True)
-    config["mesh"]["shape"] = [dist.get_world_size()]
+    if len(config["mesh"]["shape"]) == 1:
+        config["mesh"]["shape"] = [dist.get_world_size()]
     config["device"] = device.type
     opt, schedule = _optimizer(model)
     return ap.Engine(model, lm_loss, opt, strategy=ap.Strategy(**config), lr_scheduler=schedule)
@@ -260,13 +262,30 @@ def row_tp(args: argparse.Namespace, device: torch.device) -> tuple[bool, str]:
                   step, _whole(theirs))
 
 
-def row_zero3(args: argparse.Namespace, device: torch.device) -> tuple[bool, str]:
+def row_zero3(args: argparse.Namespace, device: torch.device, offload: bool = False,
+              hsdp: bool = False) -> tuple[bool, str]:
+    """ZeRO-3 against FSDP2; ``offload``: both keep parameters and optimizer state in host
+    memory (``sharding.offload`` / ``CPUOffloadPolicy``); ``hsdp``: on a [rep, shard] mesh
+    of 2 x 2 (``configs/hsdp.yaml`` / ``fully_shard(mesh=2-D)``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     world, rank = dist.get_world_size(), dist.get_rank()
+    if hsdp and world != 4:
+        raise ValueError(f"HSDP's mesh is [2, 2]; launched on {world} ranks")
     model, x, y = _model(args, device)
     theirs, eager = copy.deepcopy(model), copy.deepcopy(model)
-    engine = _engine(model, zero_vs_fsdp2.strategy(), device)
+    strategy = zero_vs_fsdp2.strategy(hsdp)
+    if offload:
+        data = strategy.model_dump(exclude_defaults=True)
+        data["sharding"]["offload"] = {"optimizer": True, "params": True}
+        strategy = ap.Strategy.model_validate(data)
+    engine = _engine(model, strategy, device)
     mine = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
-    theirs = zero_vs_fsdp2.fsdp_model(theirs)
+    if offload:
+        for block in theirs.blocks:
+            fully_shard(block, offload_policy=CPUOffloadPolicy())
+        theirs = fully_shard(theirs, offload_policy=CPUOffloadPolicy())
+    else:
+        theirs = zero_vs_fsdp2.fsdp_model(theirs, hsdp=hsdp)
     fsdp = _train(theirs, x[mine], y[mine])
     return _judge(args, engine, eager, x, y, "FSDP2", _mean_over_ranks(fsdp), fsdp,
                   _whole(theirs))
@@ -305,7 +324,11 @@ def row_pp(args: argparse.Namespace, device: torch.device) -> tuple[bool, str]:
 def rows(world: int) -> list[tuple[str, Row]]:
     """The check's rows on a launch of ``world`` ranks."""
     return [(f"dp{world} vs DDP", row_dp), (f"tp{world} Megatron vs DTensor", row_tp),
-            (f"ZeRO-3 dp{world} vs FSDP2", row_zero3), ("pp2 1F1B vs pipelining", row_pp)]
+            (f"ZeRO-3 dp{world} vs FSDP2", row_zero3),
+            (f"ZeRO-3 dp{world} + offload vs FSDP2 CPUOffloadPolicy",
+             functools.partial(row_zero3, offload=True)),
+            ("HSDP [2, 2] vs FSDP2 2-D mesh", functools.partial(row_zero3, hsdp=True)),
+            ("pp2 1F1B vs pipelining", row_pp)]
 
 
 # ------------------------------------------------------------------------ the launch

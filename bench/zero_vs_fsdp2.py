@@ -87,7 +87,8 @@ def fsdp_model(model: GPT, compile: bool = False, hsdp: bool = False) -> GPT:
     mesh = None
     if hsdp:
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        where = "cuda" if next(model.parameters()).is_cuda else "cpu"
+        mesh = init_device_mesh(where, (2, 2), mesh_dim_names=("rep", "shard"))
     for block in model.blocks:
         if compile:
             block.compile()
