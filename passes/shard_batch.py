@@ -1,7 +1,8 @@
 """Pin the batch: every input and label is ``Shard(batch dim)`` over the data-parallel mesh
 dim, then over a pipeline's micro-batches (dp cuts the global batch, each dp piece is cut
-in turn). The batch dim is 0 unless the strategy's ``batch_dim`` says otherwise, for all fed
-tensors or per tensor by its path in the batch (``inputs.input_ids``, ``labels``)."""
+in turn), and ``Shard(seq dim)`` over the context-parallel one. The batch dim is 0 unless
+the strategy's ``batch_dim`` says otherwise, for all fed tensors or per tensor by its path
+in the batch (``inputs.input_ids``, ``labels``)."""
 from __future__ import annotations
 
 from ..capture import BatchDimError, batch_dim_of
@@ -35,7 +36,8 @@ def shard_batch(program: Program, ctx: PassContext) -> Program:
     if pipeline is not None and pipeline.micro_batches > 1:
         axes.append((MICRO_BATCH_DIM, f"pipeline: {pipeline.micro_batches} micro-batches "
                                       "of each piece"))
-    if not axes:
+    cp = ctx.strategy.context_parallel
+    if not axes and cp is None:
         return program
     spec = ctx.strategy.batch_dim
     fed = [op for op in program.ops_of(OpKind.INPUT) if op.attrs[NAME].startswith("batch/")]
@@ -49,5 +51,9 @@ def shard_batch(program: Program, ctx: PassContext) -> Program:
         for axis, _ in axes:
             dist = dist.with_placement(axis, Shard(dim))
         why = "; ".join(f"{text}: batch dim {dim}" for _, text in axes)
+        if cp is not None and len(value.type.shape) > cp.seq_dim != dim:
+            dist = dist.with_placement(cp.axis, Shard(cp.seq_dim))
+            why += ("; " if why else "") + f"context_parallel.axis {cp.axis}: seq dim " \
+                f"{cp.seq_dim}"
         pin(value, dist, Reason("data_parallel", why))
     return program

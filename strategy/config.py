@@ -26,6 +26,7 @@ from .sections import (
     AmpConfig,
     AutoConfig,
     CompileConfig,
+    ContextParallelConfig,
     DataParallelConfig,
     DebugConfig,
     ElasticConfig,
@@ -44,7 +45,7 @@ from .yaml_io import dump_yaml, load_yaml
 
 # Sections that place work on a mesh dim, in the order their degrees are reported.
 AXIS_SECTIONS: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline", "sharding",
-                                  "expert_parallel")
+                                  "expert_parallel", "context_parallel")
 # Pairs of sections that may name the same axis: ZeRO shards state across data-parallel ranks,
 # and experts may be split across them (each rank's tokens meet every rank's experts).
 SHAREABLE_AXES: frozenset[frozenset[str]] = frozenset({
@@ -90,6 +91,7 @@ class Strategy(BaseModel):
     mesh: MeshConfig | None = None
     data_parallel: DataParallelConfig | None = None
     tensor_parallel: TensorParallelConfig | None = None
+    context_parallel: ContextParallelConfig | None = None
     pipeline: PipelineConfig | None = None
     sharding: ShardingConfig | None = None
     expert_parallel: ExpertParallelConfig | None = None

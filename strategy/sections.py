@@ -165,6 +165,31 @@ class DataParallelConfig(Section):
         return self.axis if isinstance(self.axis, tuple) else (self.axis,)
 
 
+class ContextParallelConfig(Section):
+    """The sequence split over ``axis`` (context parallelism, for long sequences): every fed
+    tensor is cut along ``seq_dim`` (the token ids and the labels: [batch, seq]), so each
+    rank holds its chunk of every activation. ``allgather``: attention gathers the keys and
+    values over the axis and each rank attends its query rows to all of them (a causal mask
+    offset to its rows); the keys' and values' gradients are reduce-scattered back."""
+
+    SECTION: ClassVar[str] = "context_parallel"
+    axis: AxisName = "cp"
+    method: Literal["allgather"] = "allgather"
+    seq_dim: Annotated[int, Field(strict=True, ge=0)] = 1
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _built(cls, value: Any) -> Any:
+        if value == "ring":
+            raise ValueError("context_parallel method ring (k/v blocks passed around the ring, "
+                             "outputs merged by log-sum-exp) is not built yet: method: "
+                             "allgather gathers the keys and values instead")
+        return value
+
+    def note(self) -> str:
+        return "the sequence split"
+
+
 class TensorParallelConfig(Section):
     """Megatron-style layer sharding over ``axis``; ``plan`` maps module patterns to styles.
 

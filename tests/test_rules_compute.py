@@ -314,8 +314,9 @@ FORWARD = [
      ["S(0)", "S(0)"]),
     ("sdpa_cpu/heads", mk(CPU_SDPA, Q, K, V), MESH1, ("S(1)",) * 3, ["S(1)"] * 3,
      ["S(1)", "S(1)"]),
-    ("sdpa_cpu/seq-gathered", mk(CPU_SDPA, Q, K, V), MESH1, ("S(2)",) * 3, ["R"] * 3,
-     ["R", "R"]),
+    # the query's rows may stay split (context parallelism): keys and values gathered
+    ("sdpa_cpu/query-rows-split", mk(CPU_SDPA, Q, K, V), MESH1, ("S(2)",) * 3,
+     ["S(2)", "R", "R"], ["S(2)", "S(2)"]),
     ("sdpa_cpu/dp+heads", mk(CPU_SDPA, Q, K, V), MESH2, ("S(0),S(1)",) * 3,
      ["S(0),S(1)"] * 3, ["S(0),S(1)"] * 2),
     ("sdpa_cpu/broadcast-mask", mk(CPU_SDPA, Q, K, V, attn_mask=T(1, 1, 16, 12)), MESH1,

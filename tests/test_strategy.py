@@ -93,7 +93,7 @@ def test_serial_config_is_the_default() -> None:
     assert serial.enabled_sections() == ()
     assert serial.parallel_degrees() == {
         "data_parallel": 1, "tensor_parallel": 1, "pipeline": 1, "sharding": 1,
-        "expert_parallel": 1}
+        "expert_parallel": 1, "context_parallel": 1}
 
 
 def test_design_example_fields() -> None:
@@ -105,7 +105,7 @@ def test_design_example_fields() -> None:
     assert s.enabled_sections() == ("mesh", "data_parallel", "tensor_parallel", "pipeline")
     assert s.parallel_degrees() == {
         "data_parallel": 2, "tensor_parallel": 2, "pipeline": 2, "sharding": 1,
-        "expert_parallel": 1}
+        "expert_parallel": 1, "context_parallel": 1}
 
 
 def test_dict_construction_equals_yaml() -> None:

@@ -89,3 +89,22 @@ def _global_mean(target: str, count: int | float, *args, **kwargs) -> torch.Tens
     """``target`` is the sum-reduced form of a mean; dividing by the *global* count makes
     the local result an exact term of a Partial(sum)."""
     return resolve(target)(*args, **kwargs) / count
+
+
+# -- attention on a rank's rows of the query (context parallelism) --------------------------
+@kernel("autopar.causal_rows_attention")
+def causal_rows_attention(target: str, rows: tuple[int, int], key_length: int, *args,
+                          **kwargs):
+    """``target`` (a fused attention op or its backward) on global query rows
+    ``rows[0] .. rows[1]`` against all ``key_length`` keys, causal: ``is_causal`` off and the
+    explicit mask of those rows on (key ``j`` is seen by row ``i`` iff ``j <= i``), as the
+    kernel's own causal mask is for a whole sequence."""
+    op = resolve(target)
+    names = [a.name for a in op._schema.arguments]
+    call = dict(zip(names, args), **kwargs)
+    query = call["query"]
+    row = torch.arange(rows[0], rows[1], device=query.device).unsqueeze(1)
+    seen = torch.arange(key_length, device=query.device).unsqueeze(0) <= row
+    mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device)
+    call.update(is_causal=False, attn_mask=mask.masked_fill(~seen, float("-inf")))
+    return op(**call)

@@ -14,9 +14,8 @@ from .local_call import LocalCall, LocalContext, UnsupportedLocalForm
 # ----------------------------------------------------------------------------------------
 # Kernels that refuse (or crash on) an empty piece: the CPU flash-attention kernels divide
 # by the head count; convolution and pooling kernels check their input is non-empty.
+# (The CPU flash-attention kernels' form, ``attention.py``, calls ``empty_guard`` first.)
 _EMPTY_UNSAFE = (
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
     "aten.convolution.default",
     "aten.convolution_backward.default",
     "aten.max_pool2d_with_indices.default",
@@ -25,7 +24,7 @@ _EMPTY_UNSAFE = (
 
 
 @register_local_form(*_EMPTY_UNSAFE)
-def _empty_guard(op: Op, ctx: LocalContext) -> LocalCall | None:
+def empty_guard(op: Op, ctx: LocalContext) -> LocalCall | None:
     if draws_random(op) and any(ctx.out_sharded(i) for i in range(len(op.outputs))):
         raise UnsupportedLocalForm(f"{op.target} with dropout and sharded outputs: its "
                                    "dropout mask cannot be sliced from a global one")

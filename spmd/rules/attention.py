@@ -2,8 +2,11 @@
 cuDNN) and their backward ops.
 
 Letters: query ``bhle``, key ``bhse``, value ``bhsf``, output ``bhlf``, logsumexp ``bhl``,
-mask/bias broadcast against ``bhls``. Batch and heads shard; sequence and head-dim letters
-stay whole (causal masks and the softmax need whole rows). When key/value carry fewer heads
+mask/bias broadcast against ``bhls``. Batch, heads and the query's sequence shard; the
+keys' sequence and the head dims stay whole (the softmax needs whole rows). A query
+sequence split over ranks (context parallelism, ``context_parallel: {method: allgather}``)
+makes each rank attend its rows to every key (the keys all-gathered); the gradients of the
+keys and values are then partial sums over the ranks' rows. When key/value carry fewer heads
 than query (grouped-query attention: query head ``i`` reads key head ``i // (H / G)``), the
 heads still shard, but only evenly (an ``even`` letter of sizes H and G): piece ``r`` of
 ``n`` of the query heads then reads exactly piece ``r`` of the key heads, so each rank runs
@@ -61,7 +64,10 @@ class AttentionRule:
         grouped = G != H and G > 0 and H % G == 0
         sizes = dict(b={B}, h={H, G} if grouped else {H}, l={L}, s={S}, e={E},
                      f={a["value"].type.shape[-1]})
-        whole = {"l", "s", "e", "f"} | ({"h"} if G != H and not grouped else set())
+        # the query's sequence (l) may shard: each rank's rows attend to every key
+        # (context parallelism; a causal mask is then offset by the rows' start:
+        # ``local_forms/attention.py``); the keys' (s) stay whole
+        whole = {"s", "e", "f"} | ({"h"} if G != H and not grouped else set())
         mask_shape = (B, H, L, S)
 
         def letter(name: str, t) -> str:
@@ -83,6 +89,8 @@ class AttentionRule:
                 aux.add(i)
             else:
                 outs.append(_fit(v.type.shape, role, sizes))
+        # (a key's or value's gradient sums over the query rows: rows split -> partial sums,
+        # the default reduce)
         linear = "each" if op.target.endswith("_backward.default") else "none"
         spec = Spec(ins, tuple(outs), replicated=whole, even={"h"} if grouped else set(),
                     linear=linear, linear_inputs={0})
