@@ -658,7 +658,8 @@ def calibrate(settings: Settings, processes: int, device: torch.device | None = 
                 "slowdown": _slowdown(everyone),
                 "pipeline": mean_times([p["pipeline"] for p in everyone]) if world > 1 else {},
                 "phases": {b: phases[b] - phases[a] for a, b in zip(names, names[1:])},
-                "links": _links(world), "device": str(device)}
+                "links": _links(world), "device": str(device),
+                "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world))}
     return _profile(settings, processes, measured, device), measured
 
 
@@ -708,9 +709,27 @@ def _profile(settings: Settings, processes: int, measured: dict, device: torch.d
             for d in HALF},
         slowdown=measured["slowdown"],
         op_curves=_op_curves(compute), view_s=compute["view"][0],
-        collectives={kind: {n: fit_alpha_beta(points) for n, points in by_n.items()}
-                     for kind, by_n in measured["collectives"].items()},
+        **_collective_fits(measured),
         **_pipeline_costs(measured.get("pipeline") or {}))
+
+
+def _collective_fits(measured: dict) -> dict:
+    """The profile's collective fits: of group sizes whose groups stayed on a machine in
+    ``collectives``, of those that crossed one in ``inter_node`` (with the machine's
+    processes, ``devices_per_node``). A size crossing machines is also kept in
+    ``collectives`` when no size stayed on one (a launch of one process per machine)."""
+    links, local = measured.get("links", {}), measured.get("local_world")
+    fits = {kind: {n: fit_alpha_beta(points) for n, points in by_n.items()}
+            for kind, by_n in measured["collectives"].items()}
+    if "inter-node" not in links.values():
+        return {"collectives": fits}
+    intra = {kind: {n: f for n, f in by_n.items() if links.get(n) != "inter-node"}
+             for kind, by_n in fits.items()}
+    inter = {kind: {n: f for n, f in by_n.items() if links.get(n) == "inter-node"}
+             for kind, by_n in fits.items()}
+    return {"collectives": {kind: intra[kind] or fits[kind] for kind in fits},
+            "inter_node": {kind: by_n for kind, by_n in inter.items() if by_n},
+            "devices_per_node": local}
 
 
 def _pipeline_costs(pipeline: dict[str, float]) -> dict:

@@ -244,7 +244,14 @@ class CommCost:
     local: float = 0.0
 
 
-def _step_cost(spec: StepComm, op: Op, profile: Profile) -> CommCost:
+def _across(profile: Profile, mesh: ProcessMesh | None, dim: int) -> bool:
+    """Whether mesh dim ``dim``'s groups span machines (``Profile.devices_per_node``)."""
+    return (mesh is not None and 0 <= dim < mesh.ndim
+            and profile.crosses_node(mesh.tolist(), dim))
+
+
+def _step_cost(spec: StepComm, op: Op, profile: Profile, mesh: ProcessMesh | None = None
+               ) -> CommCost:
     step, n = spec.step, len(spec.member_shapes)
     piece = max(_numel(s) for s in spec.member_shapes) * _itemsize(op)
     if step.kind in ("slice", "make_partial"):
@@ -254,7 +261,9 @@ def _step_cost(spec: StepComm, op: Op, profile: Profile) -> CommCost:
     # a partial's members hold the whole parent piece; shards are padded to the largest
     full = piece if step.kind in ("all_reduce", "reduce_scatter") else n * piece
     nbytes = reshard_bytes(step.src, step.dst, full, n)
-    return CommCost(profile.collective_seconds(step.kind, n, nbytes), step.mesh_dim)
+    return CommCost(profile.collective_seconds(step.kind, n, nbytes,
+                                               _across(profile, mesh, step.mesh_dim)),
+                    step.mesh_dim)
 
 
 def _unit_bytes(member_shapes: tuple[tuple[tuple[int, ...], ...], ...], itemsize: int
@@ -268,13 +277,14 @@ def _unit_bytes(member_shapes: tuple[tuple[tuple[int, ...], ...], ...], itemsize
 def comm_seconds(spec: Comm, op: Op, profile: Profile, mesh: ProcessMesh | None) -> CommCost:
     """The cost of comm op ``op`` of a local program whose comm spec is ``spec``."""
     if isinstance(spec, StepComm):
-        return _step_cost(spec, op, profile)
+        return _step_cost(spec, op, profile, mesh)
     if isinstance(spec, BucketStart):
         dim = spec.steps[0].mesh_dim
         n = mesh.shape[dim] if mesh is not None else 1
         total = sum(_numel(s) for s in spec.shapes) * _itemsize(op)
         nbytes = reshard_bytes(AllReduce(dim).src, AllReduce(dim).dst, total, n)
-        return CommCost(profile.collective_seconds("all_reduce", n, nbytes), dim, True)
+        return CommCost(profile.collective_seconds("all_reduce", n, nbytes,
+                                                   _across(profile, mesh, dim)), dim, True)
     if isinstance(spec, (GatherStart, ScatterStart)):
         step = spec.steps[0]
         n, full = _unit_bytes(spec.member_shapes, _itemsize(op))
@@ -282,7 +292,9 @@ def comm_seconds(spec: Comm, op: Op, profile: Profile, mesh: ProcessMesh | None)
         model = (AllGather(step.mesh_dim) if kind == "all_gather"
                  else ReduceScatter(step.mesh_dim))
         nbytes = reshard_bytes(model.src, model.dst, full, n)
-        return CommCost(profile.collective_seconds(kind, n, nbytes), step.mesh_dim, True)
+        return CommCost(profile.collective_seconds(kind, n, nbytes,
+                                                   _across(profile, mesh, step.mesh_dim)),
+                        step.mesh_dim, True)
     if isinstance(spec, (BucketWait, GatherWait, ScatterWait)):
         return CommCost()
     if isinstance(spec, (Send, Recv)):

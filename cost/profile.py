@@ -20,7 +20,9 @@ import functools
 import math
 import os
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, field_validator
 
 __all__ = ["AlphaBeta", "Curve", "Profile", "ProfileNotFound", "COLLECTIVE_KINDS",
@@ -147,6 +149,12 @@ class Profile(BaseModel):
     view_s: float = 0.0
     p2p_send: AlphaBeta | None = None
     pipeline_job_s: float = 0.0
+    # a launch over several machines: the processes per machine (torchrun puts that many
+    # consecutive ranks on each), and the fits of the group sizes whose groups crossed a
+    # machine (kind -> group size -> alpha/beta); a mesh dim whose groups cross one is
+    # priced on these. Absent: one machine, every collective on ``collectives``.
+    devices_per_node: int | None = None
+    inter_node: dict[str, dict[int, AlphaBeta]] = {}
 
     @field_validator("version")
     @classmethod
@@ -228,19 +236,28 @@ class Profile(BaseModel):
         return {}
 
     def _estimate(self, kind: str, group_size: int) -> AlphaBeta:
-        by_size = self.collectives[kind]
-        if group_size < 2:
-            raise ValueError(f"{kind} over {group_size} rank(s): no collective is needed")
-        nearest = min(by_size, key=lambda m: (abs(m - group_size), -m))
-        fit = by_size[nearest]
-        scale = (group_size - 1) / (nearest - 1)
-        return AlphaBeta(alpha_s=fit.alpha_s * scale, beta_s_per_byte=fit.beta_s_per_byte)
+        return _nearest(self.collectives[kind], kind, group_size)
 
-    def collective_seconds(self, kind: str, group_size: int, nbytes: float) -> float:
-        """Time of one ``kind`` over ``group_size`` ranks in which a rank sends ``nbytes``."""
+    def collective_seconds(self, kind: str, group_size: int, nbytes: float,
+                           across_nodes: bool = False) -> float:
+        """Time of one ``kind`` over ``group_size`` ranks in which a rank sends ``nbytes``;
+        ``across_nodes``: its groups span machines (priced on ``inter_node`` when measured)."""
         if group_size < 2 or nbytes <= 0:
             return 0.0
+        fits = self.inter_node.get(kind) if across_nodes else None
+        if fits:
+            return _nearest(fits, kind, group_size).seconds(nbytes)
         return self.alpha_beta(kind, group_size).seconds(nbytes)
+
+    def crosses_node(self, process_ids: Any, dim: int) -> bool:
+        """Whether the groups along mesh dim ``dim`` of a mesh of ``process_ids`` (its
+        n-d array of ranks) span machines of ``devices_per_node`` ranks each."""
+        if self.devices_per_node is None:
+            return False
+        ranks = np.moveaxis(np.asarray(process_ids), dim, -1).reshape(
+            -1, np.asarray(process_ids).shape[dim])
+        nodes = ranks // self.devices_per_node
+        return bool((nodes != nodes[:, :1]).any())
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
         """Write as JSON (default: ``default_profile_path()``); returns the path."""
@@ -274,3 +291,16 @@ def default_profile() -> Profile:
     """The calibrated profile of this machine; raises ``ProfileNotFound`` telling the user to
     run ``python -m autopar calibrate`` when there is none."""
     return Profile.load(default_profile_path())
+
+
+def _nearest(by_size: dict[int, AlphaBeta], kind: str, group_size: int) -> AlphaBeta:
+    """The fit of ``group_size``, else the nearest size's with its latency scaled by the
+    steps of a ring (n - 1)."""
+    if group_size in by_size:
+        return by_size[group_size]
+    if group_size < 2:
+        raise ValueError(f"{kind} over {group_size} rank(s): no collective is needed")
+    nearest = min(by_size, key=lambda m: (abs(m - group_size), -m))
+    fit = by_size[nearest]
+    scale = (group_size - 1) / (nearest - 1)
+    return AlphaBeta(alpha_s=fit.alpha_s * scale, beta_s_per_byte=fit.beta_s_per_byte)

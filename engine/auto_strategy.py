@@ -53,6 +53,19 @@ def auto_profile(strategy: Strategy) -> tuple[Profile, str]:
             "machine's")
 
 
+def _on_nodes(profile: Profile, nodes: int, devices: int) -> tuple[Profile, str]:
+    """The profile for a launch over ``nodes`` machines (``auto.nodes``): its collectives
+    across a machine priced on its inter-node fits, when it has them."""
+    if nodes == 1:
+        return profile, ""
+    profile = profile.model_copy(update={"devices_per_node": devices // nodes})
+    if profile.inter_node:
+        return profile, ""
+    return profile, (f"the profile measured no collective across machines: those of the "
+                     f"{nodes} nodes are priced as within one (calibrate under a multi-node "
+                     "launch for their own fits)")
+
+
 def plan_and_predict(loss: Callable | None, inputs: Any, labels: Any, profile: Profile
                      ) -> Callable[[torch.nn.Module, torch.optim.Optimizer, Strategy], Measured]:
     """The planning of one candidate: a training step for every rank, predicted."""
@@ -77,6 +90,8 @@ def plan_auto(model: torch.nn.Module, loss: Callable | None,
         raise ValueError("auto: the planner plans a training step and needs the optimizer: "
                          "Engine(model, loss, optimizer, strategy=...)")
     profile, note = auto_profile(strategy)
+    profile, nodes_note = _on_nodes(profile, strategy.auto.nodes, strategy.auto.devices)
+    note = "; ".join(n for n in (note, nodes_note) if n)
     annotations = {name: dist for name, p in model.named_parameters()
                    if (dist := param_annotation(p)) is not None}
     batch_dim = strategy.batch_dim

@@ -200,3 +200,20 @@ def test_plan_cli_prints_the_predicted_step_time_next_to_memory(tmp_path):
     assert [r[1] for r in rows] == ["0", "1"]
     assert all(float(r[6]) > 0 for r in rows)        # tp communicates on both ranks
     assert f"(from profile {profile})" in out
+
+
+def test_collectives_across_machines_are_priced_on_their_own_fits():
+    """dp x tp on 2 machines of 2 ranks: tp inside a machine keeps its price, dp's groups
+    span the machines and pay the (here 20x slower) inter-node fits; with tp across the
+    machines instead, the activations' all-reduces pay them."""
+    slow = PROFILE.model_copy(update={"devices_per_node": 2, "inter_node": {
+        kind: {n: fit.model_copy(update={"alpha_s": 20 * fit.alpha_s,
+                                         "beta_s_per_byte": 20 * fit.beta_s_per_byte})
+               for n, fit in by_n.items()} for kind, by_n in PROFILE.collectives.items()}})
+    text = (CONFIGS / "dp_tp.yaml").read_text()
+    flipped = text.replace("dim_names: [dp, tp]", "dim_names: [tp, dp]")
+    assert flipped != text
+    one, two = predict_tiny_gpt(text), predict_tiny_gpt(text, slow)
+    tp_across = predict_tiny_gpt(flipped, slow)
+    assert two.step_s > one.step_s                    # dp's gradient sums cross machines
+    assert tp_across.step_s > two.step_s              # every layer's all-reduce crosses them

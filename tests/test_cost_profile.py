@@ -204,3 +204,32 @@ def test_the_shipped_reference_profile_is_a_full_four_process_gloo_profile():
     assert sorted(reference.slowdown) == [1, 2, 3, 4]
     assert reference.p2p_send is not None and reference.pipeline_job_s > 0
     assert set(reference.matmul_dtypes) == {"float16", "bfloat16"}
+
+
+def test_fits_of_groups_across_machines_are_kept_apart():
+    from autopar.cost.calibrate import _collective_fits
+    points = [(1e3, 1e-4), (1e5, 2e-4), (1e6, 1.1e-3)]
+    slow = [(b, 10 * t) for b, t in points]
+    measured = {"collectives": {"all_reduce": {2: points, 4: slow}},
+                "links": {2: "intra-node", 4: "inter-node"}, "local_world": 2}
+    fits = _collective_fits(measured)
+    assert list(fits["collectives"]["all_reduce"]) == [2]
+    assert list(fits["inter_node"]["all_reduce"]) == [4] and fits["devices_per_node"] == 2
+    one_machine = _collective_fits({**measured, "links": {2: "intra-node", 4: "intra-node"}})
+    assert list(one_machine) == ["collectives"]
+    assert sorted(one_machine["collectives"]["all_reduce"]) == [2, 4]
+
+
+def test_a_mesh_dim_across_machines_is_priced_on_the_inter_node_fits():
+    profile = Profile.reference()
+    assert not profile.crosses_node([[0, 1], [2, 3]], 0)          # one machine
+    on_two = profile.model_copy(update={"devices_per_node": 2, "inter_node": {
+        kind: {n: fit.model_copy(update={"beta_s_per_byte": 10 * fit.beta_s_per_byte})
+               for n, fit in by_n.items()} for kind, by_n in profile.collectives.items()}})
+    assert on_two.crosses_node([[0, 1], [2, 3]], 0)               # [0, 2], [1, 3]
+    assert not on_two.crosses_node([[0, 1], [2, 3]], 1)           # [0, 1], [2, 3]
+    inside = on_two.collective_seconds("all_reduce", 2, 1e6)
+    across = on_two.collective_seconds("all_reduce", 2, 1e6, across_nodes=True)
+    assert across > 5 * inside
+    assert profile.collective_seconds("all_reduce", 2, 1e6, across_nodes=True) == \
+        profile.collective_seconds("all_reduce", 2, 1e6)           # none measured: as within
