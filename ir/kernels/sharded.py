@@ -2,6 +2,7 @@
 forms in ``spmd/local_forms`` choose these calls (and say why in the dumps)."""
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -98,13 +99,22 @@ def causal_rows_attention(target: str, rows: tuple[int, int], key_length: int, *
     """``target`` (a fused attention op or its backward) on global query rows
     ``rows[0] .. rows[1]`` against all ``key_length`` keys, causal: ``is_causal`` off and the
     explicit mask of those rows on (key ``j`` is seen by row ``i`` iff ``j <= i``), as the
-    kernel's own causal mask is for a whole sequence."""
+    kernel's own causal mask is for a whole sequence. (Splitting the keys into the block
+    before the rows and the rows' causal block, merged by log-sum-exp, needs no mask but
+    rounds differently from the whole-sequence kernel: AdamW then drifts from eager.)"""
     op = resolve(target)
-    names = [a.name for a in op._schema.arguments]
-    call = dict(zip(names, args), **kwargs)
+    call = dict(zip([a.name for a in op._schema.arguments], args), **kwargs)
     query = call["query"]
-    row = torch.arange(rows[0], rows[1], device=query.device).unsqueeze(1)
-    seen = torch.arange(key_length, device=query.device).unsqueeze(0) <= row
-    mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device)
-    call.update(is_causal=False, attn_mask=mask.masked_fill(~seen, float("-inf")))
-    return op(**call)
+    mask = _rows_mask(tuple(rows), key_length, query.dtype, query.device)
+    return op(**{**call, "is_causal": False, "attn_mask": mask})
+
+
+@functools.lru_cache(maxsize=8)
+def _rows_mask(rows: tuple[int, int], key_length: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """The additive causal mask of global rows ``rows`` over ``key_length`` keys (made once
+    per shape: every layer's attention, forward and backward, reads the same)."""
+    row = torch.arange(rows[0], rows[1], device=device).unsqueeze(1)
+    seen = torch.arange(key_length, device=device).unsqueeze(0) <= row
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen,
+                                                                           float("-inf"))
