@@ -5,11 +5,13 @@ traced by ``make_fx`` into one IR ``Program``.
                      map back to the model's output structure); the batch flattened
     mixed_precision  how the step is traced under amp O1 (autocast) and O2 (half casts)
     experts          a static dispatch substituted for mixture-of-experts layers while tracing
+    ring_attention   ring attention substituted for attention while tracing (context parallel)
 
 ``ir.from_fx`` turns a traced fx graph into IR ops (capture and the passes that trace small
 torch functions use it).
 """
 from .mixed_precision import FULL_PRECISION, Precision
+from .ring_attention import RingAttentionError
 from .step import (
     BatchDimError,
     Captured,
@@ -25,5 +27,5 @@ from .step import (
 )
 
 __all__ = ["FULL_PRECISION", "Precision", "CaptureError", "CaptureNote", "Captured",
-           "StepSpec", "BatchDimError", "batch_dim_of", "batch_paths", "call_model", "capture",
-           "flatten_batch", "loss_from_output"]
+           "StepSpec", "BatchDimError", "RingAttentionError", "batch_dim_of", "batch_paths",
+           "call_model", "capture", "flatten_batch", "loss_from_output"]

@@ -32,6 +32,7 @@ from ..ir.core import Op, OpKind, Program, Role, Slot, Value
 from ..ir.from_fx import FxImporter, value_type
 from .experts import dense_experts
 from .mixed_precision import FULL_PRECISION, Precision, device_type
+from .ring_attention import ring_attention_mode
 
 
 class CaptureError(RuntimeError):
@@ -52,6 +53,10 @@ class _Annotator:
         self.paths = {id(m): name for name, m in model.named_modules()} if model else {}
         self.module_stack: list[str] = []
         self.phase = "fwd"
+
+    def module(self) -> str:
+        """The module the trace is in now ('' at the top level)."""
+        return self.module_stack[-1] if self.module_stack else ""
 
     def _publish(self) -> None:
         module = self.module_stack[-1] if self.module_stack else ""
@@ -286,19 +291,22 @@ def batch_dim_of(spec: int | dict[str, int], path: str, shape: tuple[int, ...]) 
 
 
 def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
-               mode: str, precision: Precision | None = None
+               mode: str, precision: Precision | None = None, ring_pieces: int = 1
                ) -> tuple[fx.GraphModule, StepSpec, list[str], list[str], dict]:
     """make_fx over one step; returns the graph, the step spec, the names of the
     parameters and buffers in placeholder order, and the layout of the flat results
     (``[loss] + grads + outputs``: which parameters got a gradient, how many outputs).
-    ``precision``: the forward and the loss in mixed precision (``capture/mixed_precision.py``)."""
+    ``precision``: the forward and the loss in mixed precision (``capture/mixed_precision.py``).
+    ``ring_pieces`` > 1: attention as ring attention over that many chunks of the sequence
+    (``capture/ring_attention.py``)."""
     params, buffers = _named_state(model)
     param_names, buffer_names = list(params), list(buffers)
     trainable = [n for n in param_names if params[n].requires_grad] if mode == "train" else []
     batch_leaves, rebuild_batch = flatten_batch(inputs, labels)
     spec = StepSpec(mode, pytree.tree_structure((inputs, labels)))
     notes = _Annotator(model)
-    layout: dict[str, Any] = {"grads": [], "outputs": 0, "dense_experts": []}
+    layout: dict[str, Any] = {"grads": [], "outputs": 0, "dense_experts": [],
+                              "ring_pieces": ring_pieces, "ring_calls": 0}
 
     amp = precision or FULL_PRECISION
     autocast_device = device_type(batch_leaves + list(params.values()))
@@ -309,8 +317,10 @@ def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, la
         read = amp.params(master, lambda n: notes.in_phase("fwd", module=n.rpartition(".")[0]))
         state = {**read, **dict(zip(buffer_names, buffer_values))}
         args, kwargs = call_model(model, x, y, loss_fn)
-        with notes.in_phase("fwd"), amp.autocast(autocast_device):
+        with (notes.in_phase("fwd"), amp.autocast(autocast_device),
+              ring_attention_mode(ring_pieces, notes.module) as ring):
             out = torch.func.functional_call(model, state, args, kwargs, strict=False)
+        layout["ring_calls"] = ring.calls
         out = amp.outputs(out)
         results: list[torch.Tensor] = []
         if mode != "predict":
@@ -453,17 +463,20 @@ class Captured:
 
 
 def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
-            mode: str = "train", precision: Precision | None = None) -> Captured:
+            mode: str = "train", precision: Precision | None = None,
+            ring_pieces: int = 1) -> Captured:
     """Trace one step of ``model`` on a sample batch into a Program.
 
     ``mode`` is ``train`` (loss and gradients), ``eval`` (loss and outputs) or ``predict``
     (outputs). Shapes are specialised to the sample batch. ``precision``: mixed precision
-    (O1 autocast, O2 half parameters), see ``capture/mixed_precision.py``.
+    (O1 autocast, O2 half parameters), see ``capture/mixed_precision.py``. ``ring_pieces``:
+    attention as ring attention over that many chunks of the sequence (context parallelism,
+    ``capture/ring_attention.py``).
     """
     if mode not in ("train", "eval", "predict"):
         raise ValueError(f"unknown capture mode {mode!r}")
     gm, spec, param_names, buffer_names, layout = trace_step(model, loss_fn, inputs, labels, mode,
-                                                             precision)
+                                                             precision, ring_pieces)
     notes = _capture_notes(layout)
     for note in notes:
         warnings.warn(note, CaptureNote, stacklevel=2)
@@ -500,10 +513,16 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, label
 
 
 def _capture_notes(layout: dict[str, Any]) -> list[str]:
+    notes = []
+    if layout["ring_pieces"] > 1 and not layout["ring_calls"]:
+        notes.append("context_parallel method ring: the model calls no "
+                     "scaled_dot_product_attention, so no attention became ring attention; "
+                     "an attention written in plain ops (matmul, softmax) is split by the "
+                     "ordinary rules, which gather the keys")
     paths = layout["dense_experts"]
     if not paths:
-        return []
-    return [f"captured {len(paths)} mixture-of-experts module(s) ({', '.join(paths)}) with "
+        return notes
+    return notes + [f"captured {len(paths)} mixture-of-experts module(s) ({', '.join(paths)}) with "
             "autopar's dense dispatch instead of their experts_implementation (eager loop, "
             "grouped_mm, batched_mm: shapes that depend on the routing): every expert runs on "
             "every token and each token sums its top-k experts' outputs times their routing "

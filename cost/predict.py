@@ -11,7 +11,8 @@ Every process's local program is walked once, in program order, with a clock:
   the program is one;
 * a collective costs the profile's alpha-beta fit of its kind and group size at the bytes a
   rank sends (``reshard.traffic.reshard_bytes``' ring formulas, on the padded pieces the
-  runtime moves).
+  runtime moves); a shift (``Shift``, a ring pass that keeps its placement) sends its whole
+  piece, on the ``all_to_all`` fit (``_shift_cost``).
 
 Overlap, as ``runtime.collectives`` runs them: a plain reshard step (``comm.all_reduce``,
 ...) is synchronous: the process waits for it. A started one (a gradient bucket's
@@ -81,7 +82,7 @@ from ..pipeline.jobs import JobId
 from ..pipeline.phases import Phase
 from ..pipeline.schedules import Job
 from ..pipeline.timeline import CoreSharing, play
-from ..reshard.steps import AllGather, AllReduce, ReduceScatter
+from ..reshard.steps import AllGather, AllReduce, ReduceScatter, Shift
 from ..reshard.traffic import reshard_bytes
 from .profile import Profile
 
@@ -254,6 +255,8 @@ def _step_cost(spec: StepComm, op: Op, profile: Profile, mesh: ProcessMesh | Non
                ) -> CommCost:
     step, n = spec.step, len(spec.member_shapes)
     piece = max(_numel(s) for s in spec.member_shapes) * _itemsize(op)
+    if isinstance(step, Shift):
+        return _shift_cost(step, n, piece, profile, _across(profile, mesh, step.mesh_dim))
     if step.kind in ("slice", "make_partial"):
         out = sum(_nbytes(v.type) for v in op.outputs if v.is_tensor)
         return CommCost(local=profile.pointwise.seconds(out + (piece if step.kind == "slice"
@@ -264,6 +267,21 @@ def _step_cost(spec: StepComm, op: Op, profile: Profile, mesh: ProcessMesh | Non
     return CommCost(profile.collective_seconds(step.kind, n, nbytes,
                                                _across(profile, mesh, step.mesh_dim)),
                     step.mesh_dim)
+
+
+def _shift_cost(step: Shift, n: int, piece: float, profile: Profile, across: bool
+                ) -> CommCost:
+    """A shift's placement does not change, so ``reshard_bytes`` would price it at nothing:
+    every rank sends its whole piece to one member and receives one. Priced on the
+    ``all_to_all`` fit of the group size: the runtime runs it as one ``all_to_all_single``
+    (``runtime.collectives._shift``), the very call that fit measured, whose latency over
+    gloo grows with the members (it exchanges the empty blocks too). The ``send_recv`` fit
+    times a plain isend/irecv between a pair only: it prices a shift over 4 gloo processes
+    well under its time (64 KiB on 2 cores: 1.2 ms, an isend/irecv exchange 0.5 ms). A
+    whole turn (k = 0 mod n) is a local copy."""
+    if step.shift % n == 0:
+        return CommCost(local=profile.pointwise.seconds(2 * piece))
+    return CommCost(profile.collective_seconds("all_to_all", n, piece, across), step.mesh_dim)
 
 
 def _unit_bytes(member_shapes: tuple[tuple[tuple[int, ...], ...], ...], itemsize: int

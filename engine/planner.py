@@ -128,7 +128,7 @@ class Planner:
 
     def _plan(self, mode: str, inputs: Any, labels: Any, accumulate_only: bool) -> PlannedStep:
         captured = capture(self.model, self.loss, inputs, labels, mode=mode,
-                           precision=self._precision())
+                           precision=self._precision(), ring_pieces=self._ring_pieces())
         ctx = PassContext(PlanInputs(
             self.strategy, mode, self.optimizer, self.param_names, self.layout.mesh,
             self.layout.pipeline, self._micro_batches(mode, inputs), self._annotations(),
@@ -154,6 +154,13 @@ class Planner:
                                f"planning the {mode} step on {facts.mesh or 'one process'} "
                                f"({self._sharding_text()})")
         return step
+
+    def _ring_pieces(self) -> int:
+        """The chunks ring attention passes around (1: attention as the model calls it)."""
+        cp = self.strategy.context_parallel
+        if cp is None or cp.method != "ring" or self.layout.mesh is None:
+            return 1
+        return self.layout.mesh.shape[self.layout.mesh.dim_names.index(cp.axis)]
 
     def _compile(self, dump: Dump | None) -> CompileSpec | None:
         """The strategy's ``compile`` section as the runtime reads it (None: off); with a

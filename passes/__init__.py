@@ -20,6 +20,7 @@ rank's program from the result.
     gradient_reduce_dtype                        the dtype gradients are reduced in (amp)
     merge_gradients                              gradients accumulated over k batches
     reshard                                      communication where placements differ
+    ring_shifts                                  ring attention's passes as p2p shifts
     recompute                                    activations recomputed for the backward
     bucket_collectives, join_gradients           fewer, larger, asynchronous collectives
     regather_for_backward, prefetch_gathers,     ZeRO's gathers and early reduce-scatters
@@ -52,6 +53,7 @@ from .recompute import format_recompute, recompute
 from .regather_for_backward import regather_for_backward
 from .regroup_flattens import regroup_flattens
 from .reshard import reshard
+from .ring_shifts import ring_shifts
 from .scale_loss import scale_loss
 from .scatter_gradients_early import scatter_gradients_early
 from .schedule_pipeline import format_schedule, schedule_pipeline
@@ -105,6 +107,7 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("merge_gradients", merge_gradients, needs=(F.OPTIMIZER, F.PLACED),
           implements=("gradient_merge",)),
     _pass("reshard", reshard, needs=(F.PLACED,), makes=(F.RESHARDED,)),
+    _pass("ring_shifts", ring_shifts, needs=(F.RESHARDED,), implements=("context_parallel",)),
     _pass("recompute", recompute, needs=(F.RESHARDED,), implements=("recompute",),
           reports=(("recompute", format_recompute),)),
     _pass("bucket_collectives", bucket_collectives, needs=(F.RESHARDED, F.STAGES)),

@@ -18,6 +18,7 @@ from .steps import (
     AllToAll,
     MakePartial,
     ReduceScatter,
+    Shift,
     Slice,
     Step,
     transition,
@@ -25,4 +26,4 @@ from .steps import (
 
 __all__ = ["plan_reshard", "naive_plan", "plan_cost", "step_is_valid", "apply_steps",
            "apply_step", "Step", "AllReduce", "ReduceScatter", "AllGather", "Slice",
-           "AllToAll", "MakePartial", "STEP_KINDS", "transition"]
+           "AllToAll", "MakePartial", "Shift", "STEP_KINDS", "transition"]

@@ -20,6 +20,9 @@ rank's block of group k before group k+1.
                            delivers when the blocks split evenly (the planner ensures it)
 * make_partial(op):        sum and finite norms: index 0 keeps its piece, the others hold
                            zeros; avg/max/min and norminf: every rank keeps its piece
+* shift(t, k):             the piece of member (i - k) mod n — the placement stays S(t),
+                           dim t of the whole tensor rolls by k pieces (the pieces must be
+                           equal: a shift of uneven ones would break S(t)'s chunk sizes)
 
 avg is the mean over the group; a norm op (``P(norm2)``, ``ir.dist.norm_partial``) reduces
 to the p-norm of the group's terms, elementwise (norminf: their largest magnitude). Pieces
@@ -41,7 +44,16 @@ from ..ir.dist import (
     local_size,
     reduce_terms,
 )
-from .steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
+from .steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    MakePartial,
+    ReduceScatter,
+    Shift,
+    Slice,
+    Step,
+)
 
 __all__ = ["apply_steps", "apply_step"]
 
@@ -102,9 +114,17 @@ def _make_partial(s: MakePartial, i: int, n: int, group: list[torch.Tensor]) -> 
     return group[i].clone()
 
 
+def _shift(s: Shift, i: int, n: int, group: list[torch.Tensor]) -> torch.Tensor:
+    shapes = {tuple(p.shape) for p in group}
+    if len(shapes) != 1:
+        raise ValueError(f"{s}: the group's pieces differ in shape ({sorted(shapes)}); a "
+                         "shift needs equal pieces, or it would break S(t)'s chunk sizes")
+    return group[(i - s.shift) % n].clone()
+
+
 RULES: dict[type[Step], Rule] = {
     AllReduce: _all_reduce, ReduceScatter: _reduce_scatter, AllGather: _all_gather,
-    Slice: _slice, AllToAll: _all_to_all, MakePartial: _make_partial,
+    Slice: _slice, AllToAll: _all_to_all, MakePartial: _make_partial, Shift: _shift,
 }
 
 

@@ -14,11 +14,18 @@ real collectives.
 | Slice(d, t, g)             | R -> S(t)xg, local, no communication |
 | AllToAll(d, f, t)          | S(f) -> S(t) (plain shards only) |
 | MakePartial(d, op)         | R -> P(op) (sum: index 0 keeps the value, others zeros) |
+| Shift(d, t, k)             | S(t) -> S(t), the pieces passed k members along the ring |
 
 ``op`` may be a norm (``norm2``, ``norm1``, ``norminf``: ``ir.dist.norm_partial``): its
 reduction is the p-norm of the terms (all-reduce: local ``|x|^p``, sum, ``^(1/p)``; norminf:
 max), and MakePartial keeps the value on index 0 (norminf: everywhere), which is exact for
 the non-negative values a norm partial holds.
+
+``Shift`` is the one step that keeps the placement: member ``i`` of a group of ``n`` receives
+the piece of member ``(i - k) mod n`` (a p2p ring pass, each member sends one piece and
+receives one). In global terms it rolls dim ``t`` by ``k`` pieces. The planner never chooses
+it (``transition`` has no placement change to ask for it): ring attention writes it
+(``passes/ring_shifts.py``), and it needs even pieces.
 
 S -> P and P(x) -> P(y) have no step of their own: they go through R, as does any
 S -> S where either side is a grouped shard (``g`` != 1: ``Shard(t, groups=g)``, ``g`` a
@@ -43,7 +50,7 @@ from ..ir.dist import (
 from .traffic import reshard_bytes
 
 __all__ = ["Step", "AllReduce", "ReduceScatter", "AllGather", "Slice", "AllToAll",
-           "MakePartial", "STEP_KINDS", "transition", "parent_shape"]
+           "MakePartial", "Shift", "STEP_KINDS", "transition", "parent_shape"]
 
 
 def parent_shape(shape: Sequence[int], mesh: ProcessMesh, placements: Sequence[Placement],
@@ -206,8 +213,34 @@ class MakePartial(Step):
         return self.op
 
 
+@dataclass(frozen=True)
+class Shift(Step):
+    tensor_dim: int = 0
+    shift: int = 1
+    kind: ClassVar[str] = "shift"
+
+    @property
+    def src(self) -> Placement:
+        return Shard(self.tensor_dim)
+
+    @property
+    def dst(self) -> Placement:
+        return Shard(self.tensor_dim)
+
+    def cost(self, shape: Sequence[int], mesh: ProcessMesh, placements: Sequence[Placement],
+             itemsize: int = 4) -> float:
+        """A rank sends its own piece (nothing when the shift is a whole turn); coordinate
+        0's, the largest, as for the other steps."""
+        if self.shift % mesh.shape[self.mesh_dim] == 0:
+            return 0.0
+        return math.prod(local_shape(shape, mesh, placements, (0,) * mesh.ndim)) * itemsize
+
+    def _args(self) -> str:
+        return f"dim {self.tensor_dim}, by {self.shift}"
+
+
 STEP_KINDS: dict[str, type[Step]] = {c.kind: c for c in (
-    AllReduce, ReduceScatter, AllGather, Slice, AllToAll, MakePartial)}
+    AllReduce, ReduceScatter, AllGather, Slice, AllToAll, MakePartial, Shift)}
 
 
 def transition(mesh_dim: int, src: Placement, dst: Placement, axis: str = "") -> Step | None:

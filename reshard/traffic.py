@@ -4,6 +4,9 @@ Small and explicit on purpose: completion compares choices with it, and the resh
 planner picks step sequences with it. Ring algorithms: an all-gather or a
 reduce-scatter moves (n-1)/n of the full tensor per rank, an all-reduce twice that, an
 all-to-all (n-1)/n of the local piece.
+
+These price placement changes: a ``Shift`` keeps its placement (S(t) -> S(t) is "none",
+0 bytes) yet sends its whole piece, so its bytes are ``Shift.cost``'s, never these.
 """
 from __future__ import annotations
 

@@ -21,6 +21,15 @@ blocks reordered: reduce-scatter sends member j its chunk of every group
 (``cat_grouped``). A norm partial (``P(norm2)``) reduces as the p-norm of the terms: each
 member raises its piece to ``|x|^p``, the collective sums, the result is taken to ``1/p``
 (``norminf``: the collective takes the max).
+
+A shift (``Shift``: member i gets the piece of member (i - k) mod n, a ring pass) is one
+``all_to_all_single`` whose splits send the whole piece to member i + k and receive the
+whole of member i - k's: the functional collectives have no send or receive, and Dynamo
+refuses ``batch_isend_irecv`` ("P2P compilation disabled"), so this is the form that runs
+the same compiled and uncompiled. NCCL runs it as one group of sends and receives in which
+only the two non-empty blocks carry data: a p2p pass. Gloo also exchanges the empty blocks
+with the other members (messages of no bytes, a latency that grows with the group). A
+whole turn (k = 0 mod n) is a local copy.
 """
 from __future__ import annotations
 
@@ -50,7 +59,16 @@ from ..lower.executable import (
     ScatterWait,
     StepComm,
 )
-from ..reshard.steps import AllGather, AllReduce, AllToAll, MakePartial, ReduceScatter, Slice, Step
+from ..reshard.steps import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    MakePartial,
+    ReduceScatter,
+    Shift,
+    Slice,
+    Step,
+)
 from .process_groups import MeshAxisGroup, MeshGroups
 
 __all__ = ["bind", "bind_step", "wait_bucket", "wait_unit", "Collective"]
@@ -429,7 +447,28 @@ def _make_partial(step: MakePartial, axis: MeshAxisGroup, shapes) -> Collective:
     return make_partial
 
 
+def _shift(step: Shift, axis: MeshAxisGroup, shapes) -> Collective:
+    n, i = axis.size, axis.index
+    if len(set(map(tuple, shapes))) != 1:
+        raise ValueError(f"{step}: the group's pieces differ in shape ({list(shapes)}); a "
+                         "shift needs equal pieces, or it would break S(t)'s chunk sizes")
+    if step.shift % n == 0:                   # a whole turn: every member keeps its piece
+        return lambda x: x.clone(memory_format=torch.contiguous_format)
+    to, source = (i + step.shift) % n, (i - step.shift) % n
+    numel, shape = int(torch.Size(shapes[i]).numel()), tuple(shapes[source])
+    # splits by group rank (order[g]: its mesh index): the whole piece to one member, the
+    # whole of another's back
+    send = [numel if j == to else 0 for j in axis.order]
+    receive = [numel if j == source else 0 for j in axis.order]
+    name = axis.group.group_name
+
+    def shift(x: torch.Tensor) -> torch.Tensor:
+        out = FUNCTIONAL.all_to_all_single(x.reshape(-1), receive, send, name)
+        return FUNCTIONAL.wait_tensor(out).view(shape)
+    return shift
+
+
 BINDERS: dict[type[Step], Callable[[Step, MeshAxisGroup, list], Collective]] = {
     AllReduce: _all_reduce, ReduceScatter: _reduce_scatter, AllGather: _all_gather,
-    Slice: _slice, AllToAll: _all_to_all, MakePartial: _make_partial,
+    Slice: _slice, AllToAll: _all_to_all, MakePartial: _make_partial, Shift: _shift,
 }

@@ -170,24 +170,19 @@ class ContextParallelConfig(Section):
     tensor is cut along ``seq_dim`` (the token ids and the labels: [batch, seq]), so each
     rank holds its chunk of every activation. ``allgather``: attention gathers the keys and
     values over the axis and each rank attends its query rows to all of them (a causal mask
-    offset to its rows); the keys' and values' gradients are reduce-scattered back."""
+    offset to its rows); the keys' and values' gradients are reduce-scattered back.
+    ``ring``: no rank holds more than its chunk of the keys and values: they are passed
+    around the ring of the axis's ranks (p2p), each rank attending its rows to one chunk at
+    a time, and the blocks merged by their log-sum-exp; the backward passes them around
+    again with their gradients (``capture/ring_attention.py``)."""
 
     SECTION: ClassVar[str] = "context_parallel"
     axis: AxisName = "cp"
-    method: Literal["allgather"] = "allgather"
+    method: Literal["allgather", "ring"] = "allgather"
     seq_dim: Annotated[int, Field(strict=True, ge=0)] = 1
 
-    @field_validator("method", mode="before")
-    @classmethod
-    def _built(cls, value: Any) -> Any:
-        if value == "ring":
-            raise ValueError("context_parallel method ring (k/v blocks passed around the ring, "
-                             "outputs merged by log-sum-exp) is not built yet: method: "
-                             "allgather gathers the keys and values instead")
-        return value
-
     def note(self) -> str:
-        return "the sequence split"
+        return "the sequence split" + (", ring attention" if self.method == "ring" else "")
 
 
 class TensorParallelConfig(Section):

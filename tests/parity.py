@@ -79,14 +79,15 @@ def gpt_optimizer(name: str, model: torch.nn.Module, warmup: int = 10):
 
 
 def parity_gpt(optim: str, vocab: int = 64, seq: int = 16, dropout: float = 0.0,
-               layers: int = 2):
+               layers: int = 2, sdpa: bool | None = None):
     """The small GPT parity runs train. With AdamW it has no qkv bias: the key part of a
     fused qkv bias has an identically zero gradient whose fp32 rounding noise Adam follows
-    (tests/test_parity_dist.py)."""
+    (tests/test_parity_dist.py). Its attention is SDPA with AdamW, an explicit masked
+    softmax with SGD, unless ``sdpa`` says."""
     from autopar.models import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=layers, n_embd=32, n_head=4, vocab_size=vocab, block_size=seq,
-                          dropout=dropout, sdpa=optim == "adamw"))
+                          dropout=dropout, sdpa=optim == "adamw" if sdpa is None else sdpa))
     if optim == "adamw":
         for block in model.blocks:
             block.attn.qkv.register_parameter("bias", None)

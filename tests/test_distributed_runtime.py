@@ -35,7 +35,8 @@ CASES = [("dp", 2, "adamw", 6, 0.1),      # 3 + 3 rows per rank, dropout masks s
          ("dp", 2, "sgd", 5, 0.0),        # 3 + 2 rows: uneven shards
          ("tp", 2, "adamw", 4, 0.1),
          ("tp_sp", 2, "adamw", 4, 0.1),   # sequence parallel: reduce-scatter / all-gather
-         ("dp_tp", 4, "sgd", 4, 0.0)]
+         ("dp_tp", 4, "sgd", 4, 0.0),
+         ("cp_ring", 2, "adamw", 4, 0.0)]  # ring attention: keys passed by p2p shifts
 
 
 @pytest.mark.parametrize("config,world,optim,batch,dropout", CASES)

@@ -9,6 +9,16 @@ their traits as this package loads:
 * ``rng`` — reading and setting the generator (recomputed and pipelined random ops);
 * ``optim`` — torch.optim's own update functions, one param or one param group per call;
 * ``amp`` — loss scaling's check for inf/nan and unscale, one read of each gradient;
-* ``offload`` — copies between the device and host memory (``sharding.offload``).
+* ``offload`` — copies between the device and host memory (``sharding.offload``);
+* ``ring`` — ring attention's shift and blocks, as torch operators (context parallelism).
 """
-from . import amp, generator_state, offload, optim, pipeline, sharded, sliced_draws  # noqa: F401
+from . import (  # noqa: F401
+    amp,
+    generator_state,
+    offload,
+    optim,
+    pipeline,
+    ring,
+    sharded,
+    sliced_draws,
+)

@@ -26,7 +26,16 @@ Every form reads placements from ``ctx``: ``needs`` (what each tensor input hold
 """
 # the family modules, one per op family (like spmd/rules/): importing them fills
 # LOCAL_FORMS
-from . import attention, embedding, guards, losses, random, reductions, shapes  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    embedding,
+    guards,
+    losses,
+    random,
+    reductions,
+    ring_attention,
+    shapes,
+)
 from .form_registry import LOCAL_FORMS, LocalForm, local_call, register_local_form, run_local
 from .local_call import LocalCall, LocalContext, UnsupportedLocalForm
 from .shapes import SHAPE_ARGS  # noqa: F401

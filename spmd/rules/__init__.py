@@ -14,6 +14,7 @@ from . import (  # noqa: F401
     optimizer,
     pointwise,
     reduction,
+    ring_attention,
     scatter,
     softmax,
     view_writes,
