@@ -148,7 +148,7 @@ def test_gradient_merge_evaluate_and_predict_run_compiled():
 
 # (config, dropout) trained on two real gloo ranks, compiled and not, one launch for each
 REAL_RANKS = ["dp:0.1", "tp_sp:0.1", "dp_zero3:0.1", "pp_1f1b:0.1", "dp_recompute:0.1",
-              "dp_amp:0:O1"]
+              "dp_amp:0:O1", "cp_ring:0"]
 
 
 def _state_deviation(got: dict, want: dict) -> float:
@@ -159,8 +159,8 @@ def _state_deviation(got: dict, want: dict) -> float:
 def test_compiled_programs_on_real_ranks_train_as_uncompiled_ones(capsys):
     """dp (bucketed all-reduce starts), tp with sequence parallelism (reduce-scatter,
     all-gather), ZeRO-3 (prefetched gathers, early reduce-scatters), 1F1B (job programs,
-    messages between them, the post job in segments), recompute and bf16 amp on two gloo
-    ranks: compiled within twice torch.compile's own deviation from eager on the same model
+    messages between them, the post job in segments), recompute, bf16 amp and ring attention
+    (its operators and p2p shifts) on two gloo ranks: compiled within twice torch.compile's own deviation from eager on the same model
     (measured here, at least a few fp32 ulps; amp O1: of the eager loop under bf16
     autocast)."""
     plain = run_ranks("train_compiled", 2, "6", "4", "0", *REAL_RANKS, timeout=600)

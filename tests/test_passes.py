@@ -81,7 +81,7 @@ def test_a_pass_that_needs_a_disabled_pass_s_fact_fails_naming_it():
     with pytest.raises(FactError, match="pass 'pin_annotations' needs 'mesh', made by "
                                         "settle_mesh \\(disabled\\)"):
         pass_manager(disabled=frozenset({"settle_mesh"})).run(_gpt_program(), PassContext(inputs))
-    with pytest.raises(FactError, match="pass 'recompute' needs 'resharded', made by "
+    with pytest.raises(FactError, match="pass 'ring_shifts' needs 'resharded', made by "
                                         "reshard \\(disabled\\)"):
         pass_manager(disabled=frozenset({"reshard"})).run(_gpt_program(), PassContext(inputs))
     # a pass nothing later needs may be left out

@@ -25,6 +25,7 @@ Key/value heads may be fewer than the query's (grouped-query attention): a block
 for the kernel and its key/value gradients sum the widened heads back. The blocks run the
 CPU flash kernel (the one that returns the log-sum-exp and takes it back in its backward);
 elsewhere the same math in plain ops (``_math_block``), whose score block lasts one call.
+Every result is contiguous, as the fake kernels say (the compiler checks the strides).
 """
 from __future__ import annotations
 
@@ -40,11 +41,11 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 def _shift(x: torch.Tensor, dim: int, pieces: int, shift: int) -> torch.Tensor:
     """Piece ``i`` of the result is piece ``(i - shift) mod pieces`` of ``x`` along ``dim``."""
-    return torch.roll(x, shift * (x.shape[dim] // pieces), dim)
+    return torch.roll(x, shift * (x.shape[dim] // pieces), dim).contiguous()
 
 
 def _shift_fake(x: torch.Tensor, dim: int, pieces: int, shift: int) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _seen(i: int, step: int, causal: bool) -> bool:
@@ -122,7 +123,7 @@ def _ring_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, s
                           scale)
         outs.append(out)
         lses.append(lse.float())
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    return torch.cat(outs, dim=2).contiguous(), torch.cat(lses, dim=2).contiguous()
 
 
 def _ring_block_fake(q, k, v, chunk, step, causal, scale=None, first=0):
@@ -150,12 +151,12 @@ def _ring_block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dqs.append(dq)
         dks.append(_narrow(dk, groups))
         dvs.append(_narrow(dv, groups))
-    return torch.cat(dqs, dim=2), torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+    return tuple(torch.cat(parts, dim=2).contiguous() for parts in (dqs, dks, dvs))
 
 
 def _ring_block_backward_fake(grad_out, q, k, v, out, lse, chunk, step, causal, scale=None,
                               first=0):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _operator(name: str, kernel, fake) -> torch._ops.OpOverload:
