@@ -160,9 +160,9 @@ def test_compiled_programs_on_real_ranks_train_as_uncompiled_ones(capsys):
     """dp (bucketed all-reduce starts), tp with sequence parallelism (reduce-scatter,
     all-gather), ZeRO-3 (prefetched gathers, early reduce-scatters), 1F1B (job programs,
     messages between them, the post job in segments), recompute, bf16 amp and ring attention
-    (its operators and p2p shifts) on two gloo ranks: compiled within twice torch.compile's own deviation from eager on the same model
-    (measured here, at least a few fp32 ulps; amp O1: of the eager loop under bf16
-    autocast)."""
+    (its operators and p2p shifts) on two gloo ranks: compiled within twice torch.compile's
+    own deviation from eager on the same model (measured here, at least a few fp32 ulps; amp
+    O1: of the eager loop under bf16 autocast)."""
     plain = run_ranks("train_compiled", 2, "6", "4", "0", *REAL_RANKS, timeout=600)
     compiled = run_ranks("train_compiled", 2, "6", "4", "1", *REAL_RANKS, timeout=600)
     data = lm_data(24, 16, 64)
