@@ -51,13 +51,14 @@ from .data import batch_size_of, batches, on_device
 from .elastic import resized
 from .launch import Launch
 from .offline import finish_offline_plan
-from .planner import PlannedStep, Planner, StepCost
+from .padding import Fit, cut_outputs, fit_batch
+from .planner import PlanMade, PlannedStep, Planner, StepCost
 from .readings import History, Reading, StepLogs
 
 # Sections the engine honours itself, besides those the passes implement
 # (``PassManager.sections``) and the runtime's (``compile``): ``auto`` is settled on the
 # first batch, before planning.
-ENGINE_SECTIONS: frozenset[str] = frozenset({"auto", "elastic"})
+ENGINE_SECTIONS: frozenset[str] = frozenset({"auto", "elastic", "data"})
 
 Metric = Callable[[Any, Any], float]
 
@@ -125,6 +126,8 @@ class Engine:
         self.history = History()     # lists of floats by name (values join when read)
         self.stop_training = False   # a callback sets it; fit checks it after each batch
         self.last_compile_s = 0.0    # seconds the last step spent compiling (``compile:``)
+        self.last_plan_s = 0.0       # seconds the last step spent planning (a new shape)
+        self._planned_rows: dict[str, int] = {}   # ``data.pad_rows``: each mode's first rows
         self.closed = False
 
     # how far the run has trained (the training state's ``Progress``)
@@ -205,6 +208,7 @@ class Engine:
         process, for any mesh size. Dumps are written; ``explain`` answers questions.
         ``accumulate_only``: gradient merge's program of the batches that only accumulate
         (the returned one is the cycle's last, which steps the optimizer)."""
+        inputs, labels, _ = self._shaped(mode, inputs, labels)
         self._settle_auto(inputs, labels)
         return _cycle_part(self.planner.plan(mode, inputs, labels), accumulate_only).program
 
@@ -217,6 +221,7 @@ class Engine:
         time (``predict_time``; on ``profile``, default this machine's calibrated one, else
         the shipped reference, said in ``.profile_note``); with ``compile:``, ``.compile_s``
         is the seconds the step's programs took to compile once it has run (None before)."""
+        inputs, labels, _ = self._shaped(mode, inputs, labels)
         self._settle_auto(inputs, labels)
         step = self.planner.plan(mode, inputs, labels)
         note = ""
@@ -234,6 +239,7 @@ class Engine:
         autopar calibrate``): per rank, compute, exposed communication and op count, and the
         step's seconds, the slowest rank's (``cost.predict``)."""
         profile = profile if profile is not None else default_profile()
+        inputs, labels, _ = self._shaped(mode, inputs, labels)
         self._settle_auto(inputs, labels)
         return self.planner.time(self.planner.plan(mode, inputs, labels), profile)
 
@@ -287,7 +293,9 @@ class Engine:
             raise RuntimeError("this engine was closed: its process groups are gone; make a "
                                "new Engine to train again")
         self._settle_auto(inputs, labels)
+        made = len(self.planner.made)
         step = self.planner.plan(mode, inputs, labels)
+        self._record_plan(self.planner.made[made:])
         if self.launch.offline is not None:      # ``python -m autopar plan`` ran the script
             finish_offline_plan(self, step.mode, self.launch.offline, inputs, labels)
         if step.executor is None:
@@ -299,6 +307,30 @@ class Engine:
             if step.lowered.pipeline is not None and self.strategy.debug.trace:
                 step.executor.keep_trace()
         return step
+
+    def _shaped(self, mode: str, inputs: Any, labels: Any) -> tuple[Any, Any, Fit]:
+        """The batch padded to a planned shape (``data:``), its tensors contiguous: a plan
+        is traced on one batch's layout (a ``view`` of a contiguous label tensor) and must
+        run every batch of its shapes, whatever their strides (``y = tokens[:, 1:]``)."""
+        data = self.strategy.data
+        inputs, labels = pytree.tree_map(
+            lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, (inputs, labels))
+        if not data.is_enabled:
+            return inputs, labels, Fit()
+        rows = None
+        if data.pad_rows:
+            rows = self._planned_rows.setdefault(
+                mode, batch_size_of(inputs, self.strategy.batch_dim))
+        return fit_batch(inputs, labels, seq_dim=data.seq_dim, buckets=data.seq_buckets,
+                         multiple=data.pad_to_multiple, rows=rows, pad_id=data.pad_id,
+                         ignore_index=data.ignore_index, batch_dim=self.strategy.batch_dim)
+
+    def _record_plan(self, made: list[PlanMade]) -> None:
+        """A step that planned a new program says how long that took (the history's
+        ``plan_s``, the step's log line) and for which shapes (``engine.planner.made``)."""
+        self.last_plan_s = sum(m.seconds for m in made)
+        if made:
+            self.history.setdefault("plan_s", []).append(self.last_plan_s)
 
     def _feeds(self, inputs: Any, labels: Any, mode: str) -> dict[str, Any]:
         """The step's feeds: the batch's tensors on the device (copied without blocking: from
@@ -325,6 +357,7 @@ class Engine:
 
     def _train(self, inputs: Any, labels: Any) -> Reading:
         """One training step, queued: its loss as a reading copied without blocking."""
+        inputs, labels, _ = self._shaped("train", inputs, labels)
         step = self._ready("train", inputs, labels)
         batch = self.state.progress.batches_trained
         seed = self.strategy.seed + batch
@@ -375,13 +408,16 @@ class Engine:
                 self.history.add(slot.name, Reading(value))
 
     def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[Reading | None, Any]:
+        inputs, labels, fit = self._shaped(mode, inputs, labels)
         step = self._ready(mode, inputs, labels)
         compiled = compile_seconds(step.executor)
         results = step.executor.run(self._feeds(inputs, labels, mode))
         self._record_compile(compile_seconds(step.executor) - compiled)
         loss = results.get(Slot("loss"))
         outputs = [v for s, v in results.items() if s.kind == "output"]
-        return (None if loss is None else Reading(loss)), _rebuild(step.spec, outputs)
+        planned = _rebuild(step.spec, outputs)
+        return (None if loss is None else Reading(loss)), cut_outputs(
+            planned, fit, self.strategy.batch_dim)
 
     # -- the Keras/Paddle-style loops ---------------------------------------------------
     def fit(self, train_data, batch_size: int = 1, epochs: int = 1,
@@ -480,7 +516,9 @@ class Engine:
             self.state.progress.batch_in_epoch = step
             self.history.add("loss", losses[-1])
             compiled = {"compile_s": self.last_compile_s} if self.last_compile_s else {}
-            hooks.call("on_step_end", step, StepLogs({"loss": losses[-1], **compiled}))
+            planned = {"plan_s": self.last_plan_s} if self.last_plan_s else {}
+            hooks.call("on_step_end", step, StepLogs({"loss": losses[-1], **compiled,
+                                                      **planned}))
             if step % max(1, log_freq) == 0:     # values read where they are logged, no sooner
                 self.history.settle()
             if self.stop_training:

@@ -24,6 +24,9 @@ class ProgressLog:
         the last values read."""
         if self.verbose == 0:
             return
+        if self.verbose >= 2 and "plan_s" in values:     # a new batch shape: rare, said
+            print(f"{self.prefix} step {step}: planned a new program for this batch's shapes "
+                  f"in {values['plan_s']:.2f} s", flush=True)
         logs = step % self.log_freq == 0 or step == self.total
         if logs or (self.verbose == 1 and self.shown is None):
             self.shown = " ".join(f"{k}: {v:.4f}" for k, v in values.items())

@@ -12,7 +12,9 @@ the lowered step holds both (``Lowered.accumulating``) and the runtime steps thr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,9 +23,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..annotations import param_annotation
-from ..capture import Precision, StepSpec, capture
+from ..capture import Precision, StepSpec, capture, flatten_batch
 from ..cost import Profile, StepTime, predict_step
-from ..ir import NAME, Program, StateKind
+from ..ir import NAME, Program, StateKind, format_program
 from ..lower import (
     CompileSpec,
     Dump,
@@ -38,8 +40,25 @@ from ..passes import pass_manager
 from ..planning import ParallelLayout, PassContext, PlanInputs, PlanState
 from ..strategy import Strategy
 from .data import batch_size_of
+from .plan_cache import PlanCache, plan_key
 
-__all__ = ["PlannedStep", "Planner", "StepCost"]
+__all__ = ["PlanMade", "PlannedStep", "Planner", "StepCost"]
+
+
+@dataclass(frozen=True)
+class PlanMade:
+    """A plan the planner made: for which mode and batch shapes, in how many seconds."""
+
+    mode: str
+    shapes: tuple[tuple[int, ...], ...]
+    seconds: float
+    cached: bool = False      # the passes' and lowering's work loaded from the plan cache
+
+    def __str__(self) -> str:
+        shapes = ", ".join(str(list(s)) for s in self.shapes)
+        how = " (captured; the rest from the plan cache)" if self.cached else ""
+        return (f"planned the {self.mode} step for batch shapes {shapes} in "
+                f"{self.seconds:.2f} s{how}")
 
 
 class StepCost(dict[int, MemoryEstimate]):
@@ -103,6 +122,11 @@ class Planner:
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.kept: dict[str, Any] = {}        # where earlier programs placed each parameter
         self.steps: dict[tuple, PlannedStep] = {}
+        self.made: list[PlanMade] = []        # every plan made, in order
+        # ``plan_cache_dir``: planned programs on disk (``engine/plan_cache.py``)
+        self.cache = PlanCache(strategy.plan_cache_dir) if strategy.plan_cache_dir else None
+        self.loaded = 0                       # plans the cache gave
+        self.dump: Dump | None = None         # the plan being made's dump
 
     def plan(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
         """The planned step for this mode and batch signature (planned on first use)."""
@@ -110,8 +134,12 @@ class Planner:
         if key not in self.steps:
             if mode == "train" and self.optimizer is None:
                 raise ValueError("training needs an optimizer: Engine(model, loss, optimizer=...)")
+            start, loaded = time.perf_counter(), self.loaded
             with _gc_paused():
                 self.steps[key] = self._plan_step(mode, inputs, labels)
+            shapes = tuple(tuple(t.shape) for t in flatten_batch(inputs, labels)[0])
+            self.made.append(PlanMade(mode, shapes, time.perf_counter() - start,
+                                      self.loaded > loaded))
         return self.steps[key]
 
     def _plan_step(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
@@ -129,31 +157,57 @@ class Planner:
     def _plan(self, mode: str, inputs: Any, labels: Any, accumulate_only: bool) -> PlannedStep:
         captured = capture(self.model, self.loss, inputs, labels, mode=mode,
                            precision=self._precision(), ring_pieces=self._ring_pieces())
-        ctx = PassContext(PlanInputs(
+        plan_inputs = PlanInputs(
             self.strategy, mode, self.optimizer, self.param_names, self.layout.mesh,
             self.layout.pipeline, self._micro_batches(mode, inputs), self._annotations(),
-            dict(self.kept), rank=self.rank, accumulate_only=accumulate_only))
-        manager = pass_manager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
-        program = manager.run(captured.program, ctx)
+            dict(self.kept), rank=self.rank, accumulate_only=accumulate_only)
+        key = self._cache_key(captured.program, plan_inputs)
+        cached = None if key is None else self.cache.load(key)
+        if cached is not None:
+            program, facts, timings, lowered = cached
+            self.loaded += 1
+        else:
+            program, facts, timings, lowered = self._run_passes(captured.program, plan_inputs)
+            if key is not None:
+                self.cache.save(key, (program, facts, timings, lowered))
         for op in program.states(StateKind.PARAM):
             if op.result.dist is not None:
                 self.kept.setdefault(op.attrs[NAME], op.result.dist)
-        facts = ctx.state
-        dump = None if self.dump_dir is None else Dump(
-            self.dump_dir, ctx.inputs.dump_prefix, len(manager.passes) + 1)
-        lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
-                                self._processes(facts), dump, check=self.strategy.debug.verify,
-                                compile=self._compile(dump))
-        step = PlannedStep(captured.spec, program, facts, dict(manager.timings), lowered)
-        if dump is not None or self.strategy.memory_limit_gb is not None:
+        step = PlannedStep(captured.spec, program, facts, timings, lowered)
+        if self.dump is not None or self.strategy.memory_limit_gb is not None:
             estimates = self.memory(step)
-            if dump is not None:
+            if self.dump is not None:
                 for process, est in estimates.items():
-                    dump.write(process, "memory", format_estimates({process: est}) + "\n")
+                    self.dump.write(process, "memory", format_estimates({process: est}) + "\n")
             check_memory_limit(estimates, self.strategy.memory_limit_gb,
                                f"planning the {mode} step on {facts.mesh or 'one process'} "
                                f"({self._sharding_text()})")
         return step
+
+    def _run_passes(self, captured: Program, plan_inputs: PlanInputs) -> tuple:
+        """(program, facts, pass timings, lowered): the passes, then every process's
+        program."""
+        ctx = PassContext(plan_inputs)
+        manager = pass_manager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
+        program = manager.run(captured, ctx)
+        facts = ctx.state
+        self.dump = None if self.dump_dir is None else Dump(
+            self.dump_dir, ctx.inputs.dump_prefix, len(manager.passes) + 1)
+        lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
+                                self._processes(facts), self.dump,
+                                check=self.strategy.debug.verify, compile=self._compile(self.dump))
+        return program, facts, dict(manager.timings), lowered
+
+    def _cache_key(self, captured: Program, plan_inputs: PlanInputs) -> str | None:
+        """The plan's key in the plan cache (None: no cache, or dumps asked for: a cached
+        plan would not write them)."""
+        self.dump = None
+        if self.cache is None or self.dump_dir is not None:
+            return None
+        fields = {f.name: getattr(plan_inputs, f.name) for f in dataclasses.fields(plan_inputs)}
+        fields["param_names"] = sorted(fields["param_names"].values())
+        return plan_key(format_program(captured), **fields, process=self.process,
+                        every=self.every)
 
     def _ring_pieces(self) -> int:
         """The chunks ring attention passes around (1: attention as the model calls it)."""

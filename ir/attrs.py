@@ -132,7 +132,13 @@ class AttrError(TypeError):
     """An op attribute whose key is not an ``Attr`` or whose value has the wrong type."""
 
 
-_NAMES: set[str] = set()
+_DECLARED: dict[str, "Attr"] = {}
+
+
+def declared(name: str) -> "Attr":
+    """The attribute declared as ``name`` (how a pickled program finds its keys again:
+    keys compare by identity)."""
+    return _DECLARED[name]
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,9 +157,12 @@ class Attr(Generic[T]):
     replaces: tuple[str, ...] = ()     # attributes whose note this one's supersedes
 
     def __post_init__(self) -> None:
-        if self.name in _NAMES:
+        if self.name in _DECLARED:
             raise ValueError(f"op attribute {self.name!r} declared twice")
-        _NAMES.add(self.name)
+        _DECLARED[self.name] = self
+
+    def __reduce__(self):
+        return declared, (self.name,)
 
     def check(self, value: Any) -> None:
         if not isinstance(value, self.type):

@@ -5,6 +5,7 @@ explanations) lives in ``autopar.planning``, and lowering (``autopar.lower``) ma
 rank's program from the result.
 
     decompose_loss, fold_noops, dead_code        clean up the captured step
+    refuse_unmasked_padding                      sequence padding no real position reads
     functionalize_writes                         writes through views made out of place
     scale_loss, skip_nonfinite_steps             loss scaling (amp.loss_scale)
     clip_grad, optimizer_updates                 gradient clipping and the optimizer's updates
@@ -50,6 +51,7 @@ from .optimizer_updates import optimizer_updates
 from .pin_annotations import pin_annotations
 from .prefetch_gathers import prefetch_gathers
 from .recompute import format_recompute, recompute
+from .refuse_unmasked_padding import refuse_unmasked_padding
 from .regather_for_backward import regather_for_backward
 from .regroup_flattens import regroup_flattens
 from .reshard import reshard
@@ -82,6 +84,7 @@ PIPELINE: tuple[Pass, ...] = (
     _pass("fold_noops", fold_noops),
     _pass("functionalize_writes", functionalize_writes),
     _pass("dead_code", dead_code),
+    _pass("refuse_unmasked_padding", refuse_unmasked_padding, implements=("data",)),
     _pass("scale_loss", scale_loss, implements=AMP),
     _pass("clip_grad", clip_grad, implements=("grad_clip",)),
     _pass("optimizer_updates", optimizer_updates, makes=(F.OPTIMIZER,)),

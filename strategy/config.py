@@ -27,6 +27,7 @@ from .sections import (
     AutoConfig,
     CompileConfig,
     ContextParallelConfig,
+    DataConfig,
     DataParallelConfig,
     DebugConfig,
     ElasticConfig,
@@ -102,6 +103,7 @@ class Strategy(BaseModel):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     seed: int = Field(default=0, strict=True, ge=0, lt=2**64)  # what torch.manual_seed takes
     # Where every process computes: ``cuda`` (device LOCAL_RANK: parameters, optimizer state
     # and every fed batch there, NCCL between processes), ``cpu`` (gloo), ``auto``: CUDA when
@@ -113,6 +115,11 @@ class Strategy(BaseModel):
     # Per-rank memory budget in GiB: planning fails, naming the biggest holders, when a
     # rank's predicted peak (``engine.cost``) exceeds it. None: no check.
     memory_limit_gb: float | None = Field(default=None, gt=0)
+    # Where planned programs are kept on disk, by what they were planned from (the captured
+    # step, this strategy, the optimizer, the processes, autopar's and torch's versions): a
+    # restarted job, or another engine over the same model, skips the passes and lowering
+    # (``engine/plan_cache.py``). None: plans are kept in memory only.
+    plan_cache_dir: str | None = None
     # The planner chooses the mesh, degrees and placements (``autopar.auto``); the sections
     # above that are present are constraints it keeps.
     auto: AutoConfig | None = None

@@ -23,6 +23,7 @@ AxisName = Annotated[str, Field(strict=True, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"
 ModulePattern = Annotated[str, Field(strict=True, pattern=r"^\S+$")]
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 StrictBool = Annotated[bool, Field(strict=True)]
+StrictInt = Annotated[int, Field(strict=True)]
 StrictFloat = Annotated[float, Field(strict=True)]
 # The batch dim of every fed tensor (inputs and labels), or per fed tensor by its path in
 # the batch: ``inputs`` / ``inputs.input_ids`` / ``inputs.0`` / ``labels`` (a path names a
@@ -519,6 +520,50 @@ class ElasticConfig(Section):
     @property
     def is_enabled(self) -> bool:
         return self.on_resize != "error"
+
+
+class DataConfig(Section):
+    """How batches meet the planned programs. A program is specialised to its batch's
+    shapes, and a new shape plans a new one: ``seq_buckets`` pads each batch's sequence
+    (dim ``seq_dim`` of the fed tensors) up to the smallest listed length that holds it,
+    ``pad_to_multiple`` up to a multiple, so a few plans serve every length. Token ids are
+    padded with ``pad_id``, labels (the ``labels`` argument, and any fed tensor named
+    ``labels``) with ``ignore_index``, an ``attention_mask`` with 0: a token-averaged loss
+    (cross-entropy ignoring ``ignore_index``) and its gradients stay those of the unpadded
+    batch, as long as no real position reads a padded one (a causal model never does; any
+    other must mask it). ``pad_rows``: a batch with fewer rows than the first one (the
+    short last batch) is padded with rows whose labels are all ``ignore_index``."""
+
+    SECTION: ClassVar[str] = "data"
+    seq_buckets: tuple[Annotated[int, Field(strict=True, gt=0)], ...] | None = None
+    pad_to_multiple: Annotated[int, Field(strict=True, gt=0)] | None = None
+    seq_dim: Annotated[int, Field(strict=True, ge=0)] = 1
+    pad_rows: StrictBool = False
+    pad_id: StrictInt = 0
+    ignore_index: StrictInt = -100
+
+    @field_validator("seq_buckets")
+    @classmethod
+    def _sorted_buckets(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and (not value or list(value) != sorted(set(value))):
+            raise ValueError(f"data.seq_buckets {list(value)}: list one or more distinct "
+                             "lengths in increasing order")
+        return value
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> DataConfig:
+        if self.seq_buckets is not None and self.pad_to_multiple is not None:
+            raise ValueError("data: seq_buckets and pad_to_multiple both say how to pad the "
+                             "sequence; give one")
+        return self
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.pads_sequence or self.pad_rows
+
+    @property
+    def pads_sequence(self) -> bool:
+        return self.seq_buckets is not None or self.pad_to_multiple is not None
 
 
 class DebugConfig(Section):
