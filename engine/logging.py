@@ -29,7 +29,8 @@ class ProgressLog:
                   f"in {values['plan_s']:.2f} s", flush=True)
         logs = step % self.log_freq == 0 or step == self.total
         if logs or (self.verbose == 1 and self.shown is None):
-            self.shown = " ".join(f"{k}: {v:.4f}" for k, v in values.items())
+            self.shown = " ".join(f"{k}: {v:.4f}" for k, v in values.items()
+                                  if k != "plan_s")      # said on its own line
         shown = self.shown
         elapsed = time.perf_counter() - self.start
         if self.verbose == 1:

@@ -126,7 +126,6 @@ class Planner:
         # ``plan_cache_dir``: planned programs on disk (``engine/plan_cache.py``)
         self.cache = PlanCache(strategy.plan_cache_dir) if strategy.plan_cache_dir else None
         self.loaded = 0                       # plans the cache gave
-        self.dump: Dump | None = None         # the plan being made's dump
 
     def plan(self, mode: str, inputs: Any, labels: Any) -> PlannedStep:
         """The planned step for this mode and batch signature (planned on first use)."""
@@ -163,45 +162,46 @@ class Planner:
             dict(self.kept), rank=self.rank, accumulate_only=accumulate_only)
         key = self._cache_key(captured.program, plan_inputs)
         cached = None if key is None else self.cache.load(key)
+        dump = None
         if cached is not None:
             program, facts, timings, lowered = cached
             self.loaded += 1
         else:
-            program, facts, timings, lowered = self._run_passes(captured.program, plan_inputs)
+            program, facts, timings, lowered, dump = self._run_passes(captured.program,
+                                                                      plan_inputs)
             if key is not None:
                 self.cache.save(key, (program, facts, timings, lowered))
         for op in program.states(StateKind.PARAM):
             if op.result.dist is not None:
                 self.kept.setdefault(op.attrs[NAME], op.result.dist)
         step = PlannedStep(captured.spec, program, facts, timings, lowered)
-        if self.dump is not None or self.strategy.memory_limit_gb is not None:
+        if dump is not None or self.strategy.memory_limit_gb is not None:
             estimates = self.memory(step)
-            if self.dump is not None:
+            if dump is not None:
                 for process, est in estimates.items():
-                    self.dump.write(process, "memory", format_estimates({process: est}) + "\n")
+                    dump.write(process, "memory", format_estimates({process: est}) + "\n")
             check_memory_limit(estimates, self.strategy.memory_limit_gb,
                                f"planning the {mode} step on {facts.mesh or 'one process'} "
                                f"({self._sharding_text()})")
         return step
 
     def _run_passes(self, captured: Program, plan_inputs: PlanInputs) -> tuple:
-        """(program, facts, pass timings, lowered): the passes, then every process's
-        program."""
+        """(program, facts, pass timings, lowered, dump): the passes, then every process's
+        program (``dump``: where they were dumped, None when not asked)."""
         ctx = PassContext(plan_inputs)
         manager = pass_manager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
         program = manager.run(captured, ctx)
         facts = ctx.state
-        self.dump = None if self.dump_dir is None else Dump(
+        dump = None if self.dump_dir is None else Dump(
             self.dump_dir, ctx.inputs.dump_prefix, len(manager.passes) + 1)
         lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
-                                self._processes(facts), self.dump,
-                                check=self.strategy.debug.verify, compile=self._compile(self.dump))
-        return program, facts, dict(manager.timings), lowered
+                                self._processes(facts), dump,
+                                check=self.strategy.debug.verify, compile=self._compile(dump))
+        return program, facts, dict(manager.timings), lowered, dump
 
     def _cache_key(self, captured: Program, plan_inputs: PlanInputs) -> str | None:
         """The plan's key in the plan cache (None: no cache, or dumps asked for: a cached
         plan would not write them)."""
-        self.dump = None
         if self.cache is None or self.dump_dir is not None:
             return None
         fields = {f.name: getattr(plan_inputs, f.name) for f in dataclasses.fields(plan_inputs)}

@@ -3,6 +3,7 @@
 ``$AUTOPAR_TEST_RESULT_DIR/rank<RANK>.pt`` for the test process to compare."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -689,6 +690,9 @@ SCENARIOS = {"train_scaled": train_scaled, "train_compiled": train_compiled,
 
 
 def main() -> None:
+    # a rank that crashes in native code (a rare SIGSEGV of a gloo worker was seen twice in
+    # full runs) says where, in its stderr, which the test prints
+    faulthandler.enable(all_threads=True)
     scenario, *args = sys.argv[1:]
     result = SCENARIOS[scenario](*args)
     out = Path(os.environ["AUTOPAR_TEST_RESULT_DIR"])

@@ -217,7 +217,9 @@ def test_lr_monitor_records_each_groups_lr_per_step():
         eager_schedule.step()
     assert [[a, b] for a, b in zip(history["lr"], history["lr/1"])] == expected
     assert [[s["lr"], s["lr/1"]] for s in seen] == expected
-    assert list(seen[0]) == ["loss", "lr", "lr/1"]
+    # the first step planned the program and says how long that took
+    assert list(seen[0]) == ["loss", "plan_s", "lr", "lr/1"]
+    assert list(seen[1]) == ["loss", "lr", "lr/1"]
 
 
 def test_reduce_lr_on_plateau_steps_per_epoch_on_the_validation_loss():
@@ -277,7 +279,9 @@ def test_progress_display_looks_as_before(capsys):
     engine.fit(TRAIN, batch_size=4, epochs=2, valid_data=VALID, log_freq=1, verbose=2)
     lines = capsys.readouterr().out.splitlines()
     step = r"epoch {e}/2 step {s}/2 loss: \d+\.\d{{4}} lr: 0\.0500 \(\d+\.\d+ steps/s\)"
-    expected = [step.format(e=1, s=1), step.format(e=1, s=2), r"validation loss: \d+\.\d{4}",
+    planned = r"epoch 1/2 step 1: planned a new program for this batch's shapes in \d+\.\d\d s"
+    expected = [planned, step.format(e=1, s=1), step.format(e=1, s=2),
+                r"validation loss: \d+\.\d{4}",
                 step.format(e=2, s=1), step.format(e=2, s=2), r"validation loss: \d+\.\d{4}"]
     assert len(lines) == len(expected)
     assert all(re.fullmatch(p, line) for p, line in zip(expected, lines)), lines
