@@ -68,7 +68,7 @@ def _fit(text: str, batches, optim="adamw"):
     (f"mesh: {{shape: [2], dim_names: [tp]}}\ntensor_parallel: {{axis: tp, plan: {TP_PLAN}}}\n"
      "debug: {simulate: true}\n", "sgd"),
 ], ids=["serial", "dp2", "tp2"])
-def test_six_lengths_train_like_eager_on_one_plan(layout, optim):
+def test_six_lengths_train_like_eager_on_one_plan_per_bucket(layout, optim):
     engine, history = _fit(layout + "data: {seq_buckets: [64, 128]}\n", _batches(LENGTHS),
                            optim)
     made = engine.planner.made
