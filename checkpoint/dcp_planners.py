@@ -59,14 +59,15 @@ class Chunk:
 
 
 class BoxSavePlanner(SavePlanner):
-    """Writes ``chunks`` (this process's boxes) and, from the coordinator, ``blobs``
-    (JSON bytes by key)."""
+    """Writes ``chunks`` (this process's boxes), from the coordinator ``blobs`` (bytes by
+    key), and from every process its ``own_blobs`` (keys no other process writes)."""
 
-    def __init__(self, chunks: list[Chunk], blobs: dict[str, bytes]):
+    def __init__(self, chunks: list[Chunk], blobs: dict[str, bytes],
+                 own_blobs: dict[str, bytes] | None = None):
         self.chunks = {(c.key, c.box.offsets): c for c in chunks}
         if len(self.chunks) != len(chunks):
             raise ValueError("a box is listed twice for one checkpoint key")
-        self.blobs = blobs
+        self.blobs, self.own_blobs = blobs, dict(own_blobs or {})
         self.is_coordinator = False
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False
@@ -81,9 +82,9 @@ class BoxSavePlanner(SavePlanner):
                                properties=TensorProperties(dtype=c.tensor.dtype),
                                size=torch.Size(c.shape)))
                  for c in self.chunks.values()]
-        if self.is_coordinator:
-            items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
-                      for key in self.blobs]
+        written = [*(self.blobs if self.is_coordinator else ()), *self.own_blobs]
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+                  for key in written]
         return SavePlan(items)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -99,7 +100,8 @@ class BoxSavePlanner(SavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
-            return io.BytesIO(self.blobs[write_item.index.fqn])
+            key = write_item.index.fqn
+            return io.BytesIO(self.own_blobs[key] if key in self.own_blobs else self.blobs[key])
         tensor = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))].tensor
         tensor = tensor.detach().cpu()
         if tensor.is_contiguous() and tensor.storage_offset() == 0 and \

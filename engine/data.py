@@ -17,20 +17,24 @@ def _split_sample(batch: Any) -> tuple[Any, Any]:
     return batch, None
 
 
-def batches(data: Dataset | DataLoader | Any, batch_size: int, collate_fn: Callable | None = None,
-            shuffle: bool = False, seed: int = 0, pin_memory: bool = False
-            ) -> Iterator[tuple[Any, Any]]:
-    """Global batches in a deterministic order (shuffling, when asked, is seeded); a loader
-    made here pins its batches when ``pin_memory`` (a CUDA device reads them)."""
+def make_loader(data: Dataset | DataLoader | Any, batch_size: int,
+                collate_fn: Callable | None = None, shuffle: bool = False, seed: int = 0,
+                pin_memory: bool = False) -> Iterable:
+    """The loader of one epoch: the user's own, or one made here over a dataset (shuffling,
+    when asked, is seeded); a loader made here pins its batches when ``pin_memory`` (a CUDA
+    device reads them)."""
     if isinstance(data, DataLoader):
-        loader = data
-    else:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        generator = torch.Generator().manual_seed(seed) if shuffle else None
-        loader = DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=generator,
-                            collate_fn=collate_fn, pin_memory=pin_memory)
-    for batch in loader:
+        return data
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=generator,
+                      collate_fn=collate_fn, pin_memory=pin_memory)
+
+
+def pairs(loaded: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
+    """Each batch as ``(inputs, labels)``."""
+    for batch in loaded:
         yield _split_sample(batch)
 
 

@@ -47,7 +47,13 @@ from ..state import (
 from ..strategy import Strategy
 from .auto_strategy import auto_profile, plan_auto, with_auto
 from .callbacks import Callback, CallbackList, LRMonitor, ModelCheckpoint, ProgressBar
-from .data import batch_size_of, batches, on_device
+from .data import batch_size_of, make_loader, on_device, pairs
+from .data_position import (
+    DataPosition,
+    EpochReader,
+    loader_generators,
+    position_between_epochs,
+)
 from .elastic import resized
 from .launch import Launch
 from .offline import finish_offline_plan
@@ -112,6 +118,9 @@ class Engine:
             torch.backends.cuda.matmul.allow_tf32 = self.strategy.amp.tf32
             torch.backends.cudnn.allow_tf32 = self.strategy.amp.tf32
         self.state = TrainState(model, optimizer, lr_scheduler, init_fn)
+        # fit's data and its current epoch's reader: where the data stands (a checkpoint's)
+        self._train_data: Any = None
+        self._reader: EpochReader | None = None
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
             self.runtime = DistributedRuntime(
@@ -466,15 +475,25 @@ class Engine:
         hooks.set_params({"epochs": epochs, "verbose": verbose, "log_freq": log_freq,
                           "steps": _steps_in(train_data, batch_size, steps_per_epoch)})
         self.stop_training = False
-        if loaded is not None and loaded != (0, 0):
+        # a loaded checkpoint's data position: the first epoch resumes from it
+        resume_data = DataPosition.from_bytes(progress.data) \
+            if loaded is not None and progress.data is not None else None
+        progress.data = None
+        if loaded is not None and loaded != (0, 0) and resume_data is None:
             _warn_unseeded_loader(train_data, self.is_logging_rank)
+        self._train_data = train_data
         hooks.call("on_train_begin", {})
         for epoch in range(start, epochs):
             progress.epoch, progress.batch_in_epoch = epoch, skip
             hooks.call("on_epoch_begin", epoch, {})
-            data = self._batches(train_data, batch_size, collate_fn, shuffle,
-                                 self.strategy.seed + epoch)
-            logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip, log_freq)}
+            self._reader = EpochReader(
+                make_loader(train_data, batch_size, collate_fn, shuffle,
+                            self.strategy.seed + epoch, self.device.type == "cuda"),
+                _own_generators(train_data), resume_data)
+            first, resume_data = (skip + 1 if self._reader.continues else 1), None
+            data = on_device(pairs(self._reader.batches(first)), self.device)
+            logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip, log_freq,
+                                              first)}
             skip = 0
             if valid_data is not None and (epoch + 1) % valid_freq == 0:
                 scores = self._evaluate(valid_data, batch_size, valid_steps, collate_fn, hooks)
@@ -496,17 +515,31 @@ class Engine:
         self.history.settle()
         return self.history
 
-    def _batches(self, data, batch_size: int, collate_fn, shuffle: bool = False, seed: int = 0):
+    def _batches(self, data, batch_size: int, collate_fn):
         """Global batches on the engine's device, each copied while the step before runs."""
-        return on_device(batches(data, batch_size, collate_fn, shuffle, seed,
-                                 pin_memory=self.device.type == "cuda"), self.device)
+        return on_device(pairs(make_loader(data, batch_size, collate_fn,
+                                           pin_memory=self.device.type == "cuda")),
+                         self.device)
+
+    def _note_data_position(self) -> None:
+        """Where ``fit``'s data stands, for the checkpoint about to be written (none before
+        any fit)."""
+        progress, position = self.state.progress, None
+        if self._train_data is not None and progress.batch_in_epoch and self._reader:
+            position = self._reader.position(progress.batch_in_epoch)
+        elif self._train_data is not None:
+            position = position_between_epochs(self._train_data,
+                                               _own_generators(self._train_data))
+        progress.data = position.to_bytes() if position is not None else None
 
     def _train_epoch(self, data, steps: int | None, hooks: CallbackList, skip: int = 0,
-                     log_freq: int = 1) -> float:
+                     log_freq: int = 1, first: int = 1) -> float:
         """One epoch's batches (fewer when a callback stops training; resuming, the first
-        ``skip`` were trained before the checkpoint); their mean loss."""
+        ``skip`` were trained before the checkpoint: replayed and skipped, or, when the
+        loader continues from its own state, not read again: ``data`` starts at batch
+        ``first``); their mean loss."""
         losses: list[Reading] = []
-        for step, (inputs, labels) in enumerate(data, start=1):
+        for step, (inputs, labels) in enumerate(data, start=first):
             if steps is not None and step > steps:
                 break
             if step <= skip:
@@ -649,12 +682,14 @@ class Engine:
             if format != "dcp":
                 raise ValueError(f"save: async_save=True writes a checkpoint (format='dcp'), "
                                  f"not format={format!r}")
+            self._note_data_position()
             return self._background.save(self.state, self.runtime, path, self._run_record())
         if format == "full":
             return export_full(self.state, self.runtime, path)
         if format != "dcp":
             raise ValueError(f"save: format={format!r} is not 'dcp' (a checkpoint) or 'full' "
                              "(a safetensors export)")
+        self._note_data_position()
         return save_checkpoint(self.state, self.runtime, path, self._run_record())
 
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
@@ -751,9 +786,16 @@ class Engine:
             path.write_text(json.dumps(chrome_trace(events)))
 
 
+def _own_generators(data: Any) -> list[torch.Generator]:
+    """The generators a user's loader draws its order from (one made here over a dataset is
+    seeded by its epoch)."""
+    return loader_generators(data) if isinstance(data, torch.utils.data.DataLoader) else []
+
+
 def _warn_unseeded_loader(data: Any, logging_rank: bool) -> None:
-    """Resuming replays an epoch's order up to the checkpoint's batch: a DataLoader that
-    shuffles with the global generator draws another order in a new process."""
+    """Resuming from a checkpoint without a data position (written before autopar kept
+    one) replays an epoch's order up to its batch: a DataLoader that shuffles with the
+    global generator draws another order in a new process."""
     sampler = getattr(data, "sampler", None)
     if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None \
             and logging_rank:

@@ -62,6 +62,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "CheckpointM
            "PendingLoad", "RunRecord", "SaveJob", "begin_save", "dump_save", "TRAINER_KEY"]
 
 TRAINER_KEY = "autopar.trainer"
+DATA_KEY = "autopar.data"
 FORMAT = "autopar-checkpoint/1"
 
 
@@ -96,12 +97,13 @@ class SaveJob:
     target: CheckpointDir
     chunks: list[Chunk]              # this process's boxes (views of the live state)
     blobs: dict[str, bytes]          # the trainer record, by key
+    own_blobs: dict[str, bytes]      # this process's own: where its data stands
     required: list[str]              # the keys some process must have written
     distributed: bool                # real processes (DCP coordinates them)
     coordinator: bool                # the process that commits
 
     def planner(self) -> BoxSavePlanner:
-        return BoxSavePlanner(self.chunks, self.blobs)
+        return BoxSavePlanner(self.chunks, self.blobs, self.own_blobs)
 
     def writer(self) -> FileSystemWriter:
         return FileSystemWriter(self.target.partial)
@@ -140,10 +142,12 @@ def begin_save(state: TrainState, runtime: Any, path: str | os.PathLike, run: Ru
         raise ValueError("save: on real processes the state is placed by the first step; "
                          "train (or evaluate) once before saving")
     chunks = _rank_chunks(state, runtime) if distributed else _local_chunks(state, run)
+    rank = dist.get_rank() if distributed else 0
+    data = state.progress.data
     job = SaveJob(CheckpointDir(path), chunks,
                   {TRAINER_KEY: json.dumps(_trainer_record(state, run)).encode()},
-                  _required_keys(state), distributed,
-                  not distributed or dist.get_rank() == 0)
+                  {data_key(rank): data} if data is not None else {},
+                  _required_keys(state), distributed, rank == 0)
     if job.coordinator:
         job.target.prepare()
     _barrier(distributed)
@@ -382,14 +386,32 @@ def load_checkpoint(state: TrainState, runtime: Any, path: str | os.PathLike,
         raise FileNotFoundError(f"load: {path} is not a complete checkpoint (a directory "
                                 "with DCP's .metadata, not a .partial one)")
     metadata = SafeReader(path).read_metadata()
-    trainer = json.loads(_read(path, [], [TRAINER_KEY])[TRAINER_KEY])
+    position = _data_position_key(metadata, run.rank)
+    blobs = _read(path, [], [TRAINER_KEY, *([position] if position else [])])
+    trainer = json.loads(blobs[TRAINER_KEY])
     keys = _loadable(state, metadata, trainer)
     if isinstance(runtime, DistributedRuntime):
         _load_rank(state, runtime, path, metadata, keys, run)
     else:
         _load_local(state, path, metadata, keys, run)
     _restore_trainer(state, trainer)
+    state.progress.data = blobs.get(position) if position else None
     return trainer
+
+
+def data_key(rank: int) -> str:
+    """Where a process's data position is kept (``engine.data_position``)."""
+    return f"{DATA_KEY}/rank{rank}"
+
+
+def _data_position_key(metadata: Metadata, rank: int) -> str | None:
+    """The data position a process resumes from: its own, or, on a process the writing
+    run did not have (a grown world), the first process's: every process reads the same
+    global batches unless a stream is sharded, whose position is its own."""
+    for key in (data_key(rank), data_key(0)):
+        if key in metadata.state_dict_metadata:
+            return key
+    return None
 
 
 def _read(path: Path, chunks: list[Chunk], blob_keys: list[str]) -> dict[str, bytes]:

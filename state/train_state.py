@@ -45,6 +45,9 @@ class Progress:
     epoch: int = 0            # fit's current epoch (the next one between epochs)
     batch_in_epoch: int = 0   # batches of it trained: with ``epoch``, the data position
     resume_at: tuple[int, int] | None = None   # set by a load: where the next fit starts
+    # where the data stands (``engine.data_position``, serialized): noted by a save,
+    # restored by a load, and read by the next fit when it resumes
+    data: bytes | None = None
 
 
 class TrainState:

@@ -345,17 +345,6 @@ def test_the_dump_lists_each_box_written_and_read(tmp_path):
     assert "model.blocks.0.attn.qkv.weight  [96, 32]  [0:96, 0:32]" in text
 
 
-def test_resuming_with_an_unseeded_shuffling_loader_warns(tmp_path):
-    engine = gpt_engine(None)
-    engine.fit(DATA, batch_size=4, epochs=1, steps_per_epoch=2, verbose=0)
-    engine.save(tmp_path / "ck")
-    again = gpt_engine(None)
-    again.load(tmp_path / "ck")
-    loader = torch.utils.data.DataLoader(DATA, batch_size=4, shuffle=True)
-    with pytest.warns(UserWarning, match="shuffles with torch's global generator"):
-        again.fit(loader, epochs=2, steps_per_epoch=2, verbose=0)
-
-
 def test_a_value_no_process_writes_fails_the_save(tmp_path, monkeypatch):
     """A writer rule that leaves a value to nobody is caught before the commit."""
     from autopar.state import checkpointing
