@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..auto import AutoPlan, format_auto_plan
-from ..capture import StepSpec, flatten_batch
+from ..capture import StepSpec, batch_paths, flatten_batch
 from ..checkpoint import latest_checkpoint
 from ..cost import Profile, StepTime, default_profile
 from ..ir import Program, Slot
@@ -60,6 +60,16 @@ from .offline import finish_offline_plan
 from .padding import Fit, cut_outputs, fit_batch
 from .planner import PlanMade, PlannedStep, Planner, StepCost
 from .readings import History, Reading, StepLogs
+from .streams import (
+    Fitting,
+    ReadShard,
+    agreed,
+    fed_rows,
+    joined,
+    shard_loader,
+    stand_in,
+    stream_shards,
+)
 
 # Sections the engine honours itself, besides those the passes implement
 # (``PassManager.sections``) and the runtime's (``compile``): ``auto`` is settled on the
@@ -121,6 +131,7 @@ class Engine:
         # fit's data and its current epoch's reader: where the data stands (a checkpoint's)
         self._train_data: Any = None
         self._reader: EpochReader | None = None
+        self._reading: ReadShard | None = None   # a real process's shard of a stream
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
             self.runtime = DistributedRuntime(
@@ -341,13 +352,18 @@ class Engine:
         if made:
             self.history.setdefault("plan_s", []).append(self.last_plan_s)
 
-    def _feeds(self, inputs: Any, labels: Any, mode: str) -> dict[str, Any]:
+    def _feeds(self, inputs: Any, labels: Any, mode: str, shard: ReadShard | None = None
+               ) -> dict[str, Any]:
         """The step's feeds: the batch's tensors on the device (copied without blocking: from
         pinned memory the copy overlaps the host's next work), the param groups. Random ops
-        draw on that device from here (engines in one process may use different ones)."""
+        draw on that device from here (engines in one process may use different ones).
+        ``shard``: the batch is this process's rows of the global one."""
         self.runtime.draw_on_device()
-        feeds = {f"batch/{i}": _on(t, self.device)
-                 for i, t in enumerate(flatten_batch(inputs, labels)[0])}
+        leaves = [_on(t, self.device) for t in flatten_batch(inputs, labels)[0]]
+        if shard is not None:
+            leaves = fed_rows(leaves, batch_paths(inputs, labels), shard,
+                              self.strategy.batch_dim)
+        feeds = {f"batch/{i}": t for i, t in enumerate(leaves)}
         if mode == "train":
             feeds.update({f"param_groups/{i}": g
                           for i, g in enumerate(self.optimizer.param_groups)})
@@ -367,7 +383,8 @@ class Engine:
     def _train(self, inputs: Any, labels: Any) -> Reading:
         """One training step, queued: its loss as a reading copied without blocking."""
         inputs, labels, _ = self._shaped("train", inputs, labels)
-        step = self._ready("train", inputs, labels)
+        step = self._ready("train", *(inputs, labels) if self._reading is None else stand_in(
+            inputs, labels, self._reading, self.strategy.batch_dim))
         batch = self.state.progress.batches_trained
         seed = self.strategy.seed + batch
         part = _cycle_part(step, not step.lowered.steps_optimizer(batch))
@@ -378,8 +395,8 @@ class Engine:
             if found is not None:
                 raise DivergenceError(str(found))
         compiled = compile_seconds(step.executor)
-        results = step.executor.run(self._feeds(inputs, labels, "train"), seed=seed,
-                                    batch=batch)
+        results = step.executor.run(self._feeds(inputs, labels, "train", self._reading),
+                                    seed=seed, batch=batch)
         self._record_compile(compile_seconds(step.executor) - compiled)
         self._record_reports(results)
         self.state.progress.batches_trained += 1
@@ -487,11 +504,10 @@ class Engine:
             progress.epoch, progress.batch_in_epoch = epoch, skip
             hooks.call("on_epoch_begin", epoch, {})
             self._reader = EpochReader(
-                make_loader(train_data, batch_size, collate_fn, shuffle,
-                            self.strategy.seed + epoch, self.device.type == "cuda"),
+                self._epoch_loader(train_data, batch_size, collate_fn, shuffle, epoch),
                 _own_generators(train_data), resume_data)
             first, resume_data = (skip + 1 if self._reader.continues else 1), None
-            data = on_device(pairs(self._reader.batches(first)), self.device)
+            data = on_device(self._agreed(pairs(self._reader.batches(first))), self.device)
             logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip, log_freq,
                                               first)}
             skip = 0
@@ -520,6 +536,43 @@ class Engine:
         return on_device(pairs(make_loader(data, batch_size, collate_fn,
                                            pin_memory=self.device.type == "cuda")),
                          self.device)
+
+    def _epoch_loader(self, data, batch_size: int, collate_fn, shuffle: bool, epoch: int):
+        """One epoch's loader. A stream (an ``IterableDataset``) is read in shards by the
+        data-parallel processes (``engine.streams``): a real process reads its own, one
+        process running every rank (simulated, serial) reads them all side by side."""
+        pin = self.device.type == "cuda"
+        self._reading = None
+        if not isinstance(data, torch.utils.data.IterableDataset):
+            return make_loader(data, batch_size, collate_fn, shuffle,
+                               self.strategy.seed + epoch, pin)
+        if shuffle:
+            raise ValueError("fit(shuffle=True): a stream (IterableDataset) has no index to "
+                             "shuffle; shuffle inside the dataset (a seeded buffer)")
+        dp = self.strategy.data_parallel
+        axes = dp.mesh_axes if dp is not None and self.strategy.auto is None else ()
+        shards = stream_shards(axes, self.planner.layout.mesh,
+                               self.launch.rank if self.distributed else None, batch_size)
+        if len(shards) == 1:
+            self._reading = shards[0] if shards[0].count > 1 else None
+            return shard_loader(data, shards[0], collate_fn, pin)
+        return joined([shard_loader(data, s, collate_fn, pin) for s in shards],
+                      self.strategy.batch_dim, self._fitting())
+
+    def _fitting(self) -> Fitting:
+        """How the shards of a stream meet on one shape: padded as ``data:`` says."""
+        data = self.strategy.data
+        return Fitting(lambda x, y, n: fit_batch(
+            x, y, seq_dim=data.seq_dim, buckets=(n,), multiple=None, rows=None,
+            pad_id=data.pad_id, ignore_index=data.ignore_index,
+            batch_dim=self.strategy.batch_dim)[:2], data.seq_dim, data.pads_sequence)
+
+    def _agreed(self, batches):
+        """A real process's shard of a stream: its batches while every process has one,
+        fitted to the shape they agree on (``streams.agreed``)."""
+        if self._reading is None:
+            return batches
+        return agreed(batches, self._fitting(), self.runtime.gather)
 
     def _note_data_position(self) -> None:
         """Where ``fit``'s data stands, for the checkpoint about to be written (none before

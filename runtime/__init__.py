@@ -21,6 +21,7 @@
 from .compiled import CompileError, CompileNote
 from .divergence import Divergence, locate_divergence
 from .executor import Executor, compile_seconds
+from .job_store import FedRows
 from .process_groups import resolve_device
 from .rank_state import cut_piece
 from .runtimes import DistributedRuntime, Initial, LocalRuntime
@@ -29,5 +30,5 @@ from .runtimes import DistributedRuntime, Initial, LocalRuntime
 RUNTIME_SECTIONS = frozenset({"compile"})
 
 __all__ = ["RUNTIME_SECTIONS", "CompileError", "CompileNote", "compile_seconds", "Divergence",
-           "locate_divergence", "Executor", "cut_piece", "DistributedRuntime", "Initial",
+           "locate_divergence", "Executor", "FedRows", "cut_piece", "DistributedRuntime", "Initial",
            "LocalRuntime", "resolve_device"]

@@ -89,8 +89,7 @@ class ProgramExecutor:
     def run(self, feeds: dict[str, Any], seed: int | None = None, batch: int = 0
             ) -> dict[Slot, Any]:
         """Run one step; state updates are written back, the other results returned."""
-        if self.rank.inputs:
-            feeds = cut_feeds(feeds, self.rank.inputs)
+        feeds = cut_feeds(feeds, self.rank.inputs)
         if self.random_ops and seed is not None:
             feeds = {**feeds, **eager_rng_states(self.random_ops, seed)}
         with torch.no_grad():

@@ -4,6 +4,7 @@ the bytes of activations it holds (every pipeline runtime, real or simulated, us
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -13,13 +14,48 @@ from ..pipeline.jobs import STEP, Accumulation, JobId, RankJobs
 from ..pipeline.phases import Phase
 from ..reshard.steps import AllGather, AllReduce
 
-__all__ = ["RankStore", "cut_feeds"]
+__all__ = ["FedRows", "RankStore", "cut_feeds"]
+
+
+@dataclass(frozen=True)
+class FedRows:
+    """Only some rows of a fed tensor: those a data-parallel process read from its shard of
+    a stream (rows ``start`` on, along dim ``dim`` of the global batch of ``total`` rows).
+    The process's piece is cut from them as from the whole tensor."""
+
+    tensor: torch.Tensor
+    dim: int
+    start: int
+    total: int
 
 
 def cut_feeds(feeds: dict[str, Any], slices: dict[str, tuple[slice, ...]]) -> dict[str, Any]:
     """A process's pieces of the full feeds (views), by the slices lowering found."""
-    return {name: (x[slices[name]] if name in slices and isinstance(x, torch.Tensor) else x)
-            for name, x in feeds.items()}
+    return {name: _cut(name, x, slices.get(name)) for name, x in feeds.items()}
+
+
+def _cut(name: str, fed: Any, where: tuple[slice, ...] | None) -> Any:
+    if isinstance(fed, FedRows):
+        return _cut_rows(name, fed, where)
+    return fed[where] if where is not None and isinstance(fed, torch.Tensor) else fed
+
+
+def _cut_rows(name: str, fed: FedRows, where: tuple[slice, ...] | None) -> torch.Tensor:
+    """The piece of a process that was fed only its own rows: its slice along the batch dim
+    moved to where those rows start."""
+    rows = fed.tensor.shape[fed.dim]
+    wanted = where[fed.dim] if where is not None else slice(None)
+    lo = (wanted.start or 0) - fed.start
+    hi = (fed.total if wanted.stop is None else wanted.stop) - fed.start
+    if lo < 0 or hi > rows:
+        raise ValueError(f"feed {name}: this process reads rows {lo + fed.start}:"
+                         f"{hi + fed.start} of the batch (dim {fed.dim}), but was fed only "
+                         f"its data shard's rows {fed.start}:{fed.start + rows}: the plan "
+                         "does not cut the batch along the data-parallel axes the stream is "
+                         "sharded over")
+    cut = list(where) if where is not None else [slice(None)] * fed.tensor.dim()
+    cut[fed.dim] = slice(lo, hi)
+    return fed.tensor[tuple(cut)]
 
 
 class RankStore:

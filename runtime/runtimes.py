@@ -143,6 +143,13 @@ class DistributedRuntime:
             raise RuntimeError(f"rank 0 failed, so rank {self.rank} stops too: {text}")
         return text
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (a small picklable object), by rank, on every rank."""
+        init_distributed(self.device, self.world, self.world, self.timeout)
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
     def executor(self, lowered: Lowered, initial: Initial,
                  pieces: Pieces | None = None) -> Executor:
         return _executor(self._executor, lowered, initial, pieces)

@@ -673,6 +673,24 @@ def compiled_dump(config: str, dump_dir: str) -> dict:
     return {"loss": engine.fit(lm_data(4, 16, 64), batch_size=4, verbose=0)["loss"]}
 
 
+def train_stream(shardable: str) -> dict:
+    """dp2 on a stream of 9 items (``tests/stream_data.py``) read in shards: each rank its
+    own, padded to one bucket (``tests/test_streams.py``); how many items this rank built."""
+    from stream_data import TokenStream
+
+    from autopar.models.gpt import lm_loss
+    model = parity_gpt("adamw", seq=64)
+    strategy = ap.Strategy.from_yaml_str("mesh: {shape: [2], dim_names: [dp]}\n"
+                                         "data_parallel: {axis: dp}\n"
+                                         "data: {seq_buckets: [64]}\ndevice: cpu\n")
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=strategy)
+    stream = TokenStream(9, rows=2, count=2, shardable=shardable == "1")
+    history = engine.fit(stream, batch_size=4, verbose=0)
+    made = sum(p.made for p in stream.parts) if shardable == "1" else stream.made
+    return {"loss": history["loss"], "state": engine.state_dict(), "made": made}
+
+
 SCENARIOS = {"train_scaled": train_scaled, "train_compiled": train_compiled,
              "compiled_dump": compiled_dump,
              "train_gpt": train_gpt, "train_nodes": train_nodes,
@@ -686,7 +704,7 @@ SCENARIOS = {"train_scaled": train_scaled, "train_compiled": train_compiled,
              "ckpt_until_killed": ckpt_until_killed, "ckpt_load": ckpt_load,
              "ckpt_crash_save": ckpt_crash_save, "ckpt_async": ckpt_async,
              "export_full": export_full, "train_offload": train_offload,
-             "train_hsdp": train_hsdp}
+             "train_hsdp": train_hsdp, "train_stream": train_stream}
 
 
 def main() -> None:
