@@ -4,9 +4,9 @@ A user's ``nn.Module``, loss and ``torch.optim`` optimizer are captured as one p
 whole training step, transformed by passes into one program per rank, and run.
 """
 from .annotations import shard_tensor
-from .engine import Engine, callbacks
+from .engine import Engine, PackedDataset, callbacks
 from .ir.dist import Partial, ProcessMesh, Replicate, Shard
 from .strategy import Strategy
 
-__all__ = ["Engine", "Partial", "callbacks", "ProcessMesh", "Replicate", "Shard", "Strategy",
-           "shard_tensor"]
+__all__ = ["Engine", "PackedDataset", "Partial", "callbacks", "ProcessMesh", "Replicate", "Shard",
+           "Strategy", "shard_tensor"]

@@ -112,9 +112,11 @@ class _Substitute(TorchFunctionMode):
         where = f"scaled_dot_product_attention in module '{self.where() or 'top level'}'"
         if attn_mask is not None:
             raise RingAttentionError(
-                f"{where}: ring attention (context_parallel method ring) takes no attn_mask "
-                "(a causal model should pass is_causal=True; method: allgather takes a mask "
-                "that does not split the keys)")
+                f"{where}: ring attention (context_parallel method ring) takes no attn_mask: "
+                "its blocks apply is_causal only. A causal model should pass is_causal=True; "
+                "a masked one (packed rows' document mask from position_ids, an "
+                "attention_mask) can use context_parallel: {method: allgather}, which takes "
+                "a mask")
         if dropout_p:
             raise RingAttentionError(f"{where}: ring attention has no attention dropout "
                                      f"(dropout_p={dropout_p})")

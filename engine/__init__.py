@@ -8,8 +8,10 @@
     callbacks     hooks around fit / evaluate / predict: progress bar, early stopping, ...
     checkpointing save / load on torch.distributed.checkpoint, into any strategy
     data, logging batches from datasets; the progress display
+    packing       several documents per row (PackedDataset), attention kept inside each
 """
 from . import callbacks
 from .engine import Engine
+from .packing import PackedDataset, PackingCollator, pack_documents
 
-__all__ = ["Engine", "callbacks"]
+__all__ = ["Engine", "PackedDataset", "PackingCollator", "callbacks", "pack_documents"]
