@@ -1,6 +1,8 @@
 """`make demo`: train a character-level GPT on real text, the Python standard library's own
 source files (present on every machine), through the public Engine API, on 4 CPU
 processes: data parallel x Megatron tensor parallel (``configs/dp_tp.yaml``) over gloo.
+The files are split into documents of variable length at their top-level definitions and
+packed several to a row (``PackedDataset``): attention stays inside each document.
 
 ``python -m autopar demo`` launches its own ranks through torchrun (``--nproc`` of them,
 the strategy's mesh size); under an existing torchrun launch it runs as one of the ranks.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +38,20 @@ def stdlib_text(max_chars: int) -> str:
         if size >= max_chars:
             break
     return "".join(parts)[:max_chars]
+
+
+def stdlib_documents(max_chars: int) -> list[str]:
+    """The standard library's source files, each cut before its top-level definitions
+    (``def``, ``class``): documents of a few to thousands of characters."""
+    root = Path(os.__file__).parent
+    documents, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")[:max_chars - size]
+        documents += [d for d in re.split(r"\n(?=(?:async def|def|class) )", text) if d]
+        size += len(text)
+        if size >= max_chars:
+            break
+    return documents
 
 
 def encode(text: str) -> torch.Tensor:
@@ -127,13 +144,15 @@ def main(steps: int = 400, batch_size: int = 32, dump_dir: str = "dumps/demo",
     into ``<dump_dir>/checkpoints`` (``resume``: continue from the newest there, e.g. with
     a larger ``steps``)."""
     torch.manual_seed(0)
-    tokens = encode(stdlib_text(400_000))
-    split = int(len(tokens) * 0.95)
+    documents = [encode(d) for d in stdlib_documents(400_000)]
+    split = int(len(documents) * 0.95)
     # ~340k parameters: on 2 CPU cores a smaller model sees more characters in the same
     # minute, which is what lowers the loss here (4 layers x 128 stalled near 2.2)
     cfg = GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=3, n_head=4, n_embd=96)
-    train, valid = windows(tokens[:split], cfg.block_size), windows(tokens[split:], cfg.block_size)
-    valid = valid[:4 * batch_size]
+    # packed rows, each ({"idx", "position_ids"}, labels): a list, so fit shuffles it
+    train = list(ap.PackedDataset(documents[:split], cfg.block_size))
+    valid = list(ap.PackedDataset(documents[split:], cfg.block_size))[:4 * batch_size]
+    tokens = sum(len(d) for d in documents)
     model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-3, betas=(0.9, 0.95),
                                   weight_decay=0.1)
@@ -144,7 +163,8 @@ def main(steps: int = 400, batch_size: int = 32, dump_dir: str = "dumps/demo",
     engine = ap.Engine(model, lm_loss, optimizer, strategy=strategy, lr_scheduler=scheduler)
     say = print if engine.is_logging_rank else (lambda *a, **k: None)
     say(f"autopar demo: char-level GPT ({sum(p.numel() for p in model.parameters()):,} "
-        f"parameters) on {len(tokens):,} characters of Python stdlib source; "
+        f"parameters) on {tokens:,} characters of Python stdlib source in "
+        f"{len(documents):,} documents packed into rows of {cfg.block_size}; "
         f"{strategy.describe_mesh()}")
     # validation before training and after every epoch of ``valid_every`` steps
     # (steps round up to whole intervals, so a resumed run with more steps keeps the epochs)
