@@ -1,16 +1,16 @@
 # Each target creates .venv on first use. torch is pinned and installed first, on its own,
-# so that no later resolution can pull a CUDA build; the extras (dev, demo: matplotlib) then
-# resolve against the project's own torch==2.13.0 pin, so they never move it.
+# so that no later resolution can pull a CUDA build; the extras (dev, demo: matplotlib, docs:
+# mkdocs) then resolve against the project's own torch==2.13.0 pin, so they never move it.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: demo test bench golden clean
+.PHONY: demo test docs bench golden clean
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,demo]'
+	$(PY) -m pip install -q -e '.[dev,demo,docs]'
 	touch $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
@@ -20,6 +20,10 @@ test: $(VENV_STAMP)
 	.venv/bin/lint-imports
 	.venv/bin/ruff check .
 	$(PY) -m pytest tests
+
+# the documentation site into site/ (open site/index.html); --strict: any warning fails
+docs: $(VENV_STAMP)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 # after a meant change to a pass, lowering or the printer: rewrite tests/golden/ (read the diff)
 golden: $(VENV_STAMP)

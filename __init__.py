@@ -2,11 +2,21 @@
 
 A user's ``nn.Module``, loss and ``torch.optim`` optimizer are captured as one program of the
 whole training step, transformed by passes into one program per rank, and run.
+
+``autopar.__version__`` is the installed distribution's version (``importlib.metadata``, as
+in pyproject.toml); ``"0.0.0+unknown"`` where autopar is imported without being installed.
 """
+from importlib import metadata as _metadata
+
 from .annotations import shard_tensor
 from .engine import Engine, PackedDataset, callbacks
 from .ir.dist import Partial, ProcessMesh, Replicate, Shard
 from .strategy import Strategy
+
+try:
+    __version__ = _metadata.version("autopar")
+except _metadata.PackageNotFoundError:        # imported from a copy of the source, never installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = ["Engine", "PackedDataset", "Partial", "callbacks", "ProcessMesh", "Replicate", "Shard",
            "Strategy", "shard_tensor"]

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Collection, Mapping
+from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -44,6 +46,9 @@ from .sections import (
 )
 from .yaml_io import dump_yaml, load_yaml
 
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
 # Sections that place work on a mesh dim, in the order their degrees are reported.
 AXIS_SECTIONS: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline", "sharding",
                                   "expert_parallel", "context_parallel")
@@ -60,6 +65,9 @@ HOLD_DIFFERENT_PARAMS: Mapping[str, str] = {
 ALWAYS_SUPPORTED: frozenset[str] = frozenset({"debug", "seed"})
 # Environment variable that overrides debug.dump_dir (read by the engine, passed in).
 DUMP_DIR_ENV = "AUTOPAR_DUMP_DIR"
+# The strategy files shipped in the package (``configs/NAME.yaml``), loadable by NAME.
+_CONFIGS_DIR = "configs"
+_CONFIG_NAME = re.compile(r"[\w-]+")     # a bare name: no directory, no suffix
 
 
 class UnsupportedStrategyError(ValueError):
@@ -128,14 +136,32 @@ class Strategy(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> Strategy:
-        """Load a strategy file; a ValueError names the file and what is wrong in it."""
-        path = Path(path)
-        with path.open(encoding="utf-8") as stream:
+        """Load a strategy file, or a strategy shipped with autopar by its name.
+
+        A string that is a bare name (letters, digits, ``_`` and ``-``: no directory, no
+        ``.yaml``) and not an existing file names a packaged config: ``from_yaml("dp_tp")``
+        loads ``configs/dp_tp.yaml`` from the installed package (``named_configs()`` lists
+        them); an unknown name raises FileNotFoundError listing them. A ValueError names the
+        file and what is wrong in it.
+        """
+        if isinstance(path, str) and _CONFIG_NAME.fullmatch(path) and not os.path.isfile(path):
+            source: Path | Traversable = _named_config(path)
+            where = f"{path} ({_CONFIGS_DIR}/{path}.yaml in the autopar package)"
+        else:
+            source = Path(path)
+            where = str(source)
+        with source.open(encoding="utf-8") as stream:
             data = load_yaml(stream)
         try:
             return cls._from_data(data)
         except ValueError as err:
-            raise ValueError(f"invalid strategy file {path}:\n{err}") from err
+            raise ValueError(f"invalid strategy file {where}:\n{err}") from err
+
+    @staticmethod
+    def named_configs() -> tuple[str, ...]:
+        """The names of the strategies shipped with autopar (``configs/*.yaml``), sorted:
+        each loads with ``Strategy.from_yaml(name)``."""
+        return tuple(sorted(_packaged_configs()))
 
     @classmethod
     def from_yaml_str(cls, text: str) -> Strategy:
@@ -327,6 +353,28 @@ class Strategy(BaseModel):
         The engine passes ``os.environ``; taking it as an argument keeps this pure and testable.
         """
         return environ.get(DUMP_DIR_ENV) or self.debug.dump_dir
+
+
+def _packaged_configs() -> dict[str, Traversable]:
+    """``configs/*.yaml`` of the installed package by name, read through importlib.resources
+    (a wheel, an editable install or a zip import alike)."""
+    package = __name__.partition(".")[0]      # autopar, by name: the strategy imports none of it
+    configs = resources.files(package).joinpath(_CONFIGS_DIR)
+    if not configs.is_dir():
+        return {}
+    return {entry.name[:-len(".yaml")]: entry for entry in configs.iterdir()
+            if entry.name.endswith(".yaml") and entry.is_file()}
+
+
+def _named_config(name: str) -> Traversable:
+    """The packaged strategy file called ``name``; FileNotFoundError lists the names."""
+    configs = _packaged_configs()
+    if name not in configs:
+        raise FileNotFoundError(
+            f"no strategy file {name!r} and no packaged strategy of that name; packaged "
+            f"strategies: {', '.join(sorted(configs)) or '(none found)'} (or give a path to "
+            "a YAML file)")
+    return configs[name]
 
 
 def _noted(section: Section) -> str:

@@ -14,7 +14,8 @@ def test_every_package_is_listed_in_pyproject():
         for p in ROOT.rglob("__init__.py")
         if p.parent != ROOT and not any(part.startswith(".") or part in ("tests", "build")
                                         for part in p.relative_to(ROOT).parts)}
-    assert found == listed
+    # autopar.configs holds the strategy YAMLs only: a data package without __init__.py
+    assert found | {"autopar.configs"} == listed
 
 
 def test_readme_opens_with_the_two_commands():
