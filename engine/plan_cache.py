@@ -28,12 +28,18 @@ _SOURCE = Path(__file__).resolve().parents[1]     # the autopar package
 def source_version() -> str:
     """A digest of autopar's own source files: a plan made by other code is another plan."""
     digest = hashlib.sha256()
-    for path in sorted(_SOURCE.rglob("*.py")):
-        if "tests" in path.relative_to(_SOURCE).parts:
-            continue
+    for path in _source_files():
         digest.update(str(path.relative_to(_SOURCE)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def _source_files() -> list[Path]:
+    """The package's modules: its top-level ones and those of its subpackages (folders
+    with an ``__init__.py``), not a checkout's tests, benchmarks or virtual environment."""
+    packages = [d for d in _SOURCE.iterdir() if (d / "__init__.py").is_file()
+                and d.name not in ("tests", "bench")]
+    return sorted([*_SOURCE.glob("*.py"), *(p for d in packages for p in d.rglob("*.py"))])
 
 
 def _optimizer(optimizer: torch.optim.Optimizer | None) -> str:
