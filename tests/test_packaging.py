@@ -26,7 +26,8 @@ import autopar as ap
 ROOT = Path(__file__).resolve().parents[1]
 # The checkout's top-level folders that are not autopar (never in the wheel, never copied to
 # build it) and what building leaves behind.
-NOT_SHIPPED = {"tests", "bench", "dumps", "examples", "build", "dist", ".venv", ".git"}
+NOT_SHIPPED = {"tests", "bench", "dumps", "examples", "build", "dist", ".venv", ".git", "docs",
+               "site"}
 # The package data pyproject.toml ships besides the modules.
 DATA = {"configs": "*.yaml", "cost": "reference_profile.json"}
 
