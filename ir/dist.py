@@ -26,6 +26,7 @@ immutable and printable:
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -76,7 +77,7 @@ class ProcessMesh:
     default to ``d0, d1, ...`` so every dim can be addressed by name.
     """
 
-    __slots__ = ("_shape", "_ids", "_dim_names", "_coords")
+    __slots__ = ("_shape", "_ids", "_dim_names", "_coords", "_hash")
 
     def __init__(self, mesh: object, dim_names: Sequence[str] | None = None):
         arr = _parse_ids(mesh)
@@ -88,6 +89,8 @@ class ProcessMesh:
         object.__setattr__(self, "_dim_names", names)
         coords = dict(zip(self._ids, itertools.product(*(range(s) for s in self._shape))))
         object.__setattr__(self, "_coords", coords)
+        # hashed once: a 1,024-rank mesh is a dict key of every placement computation
+        object.__setattr__(self, "_hash", hash((self._shape, self._ids, self._dim_names)))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"ProcessMesh is immutable (tried to set {name!r})")
@@ -206,10 +209,11 @@ class ProcessMesh:
         return (self._shape, self._ids, self._dim_names)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ProcessMesh) and self._key() == other._key()
+        return self is other or (isinstance(other, ProcessMesh) and self._hash == other._hash
+                                 and self._key() == other._key())
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return self._hash
 
     def _head(self) -> str:
         return f"mesh[{','.join(map(str, self._shape))}]({','.join(self._dim_names)})"
@@ -551,8 +555,17 @@ def local_offsets(global_shape: Sequence[int], mesh: ProcessMesh,
 
     Shards of one tensor dim nest in mesh-dim order: each later mesh dim chunks the piece
     the earlier ones left (DTensor's order), so offsets accumulate. A grouped shard's piece
-    has no single offset: this refuses it (use ``local_runs``).
+    has no single offset: this refuses it (use ``local_runs``). Remembered per (shape,
+    mesh, placements, coordinate): lowering asks the same question of every value of every
+    process and micro-batch.
     """
+    return _local_offsets(tuple(global_shape), mesh, tuple(placements), tuple(coordinate))
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _local_offsets(global_shape: tuple[int, ...], mesh: ProcessMesh,
+                   placements: tuple[Placement, ...], coordinate: tuple[int, ...]
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     _check_coordinate(mesh, placements, coordinate)
     if is_grouped(placements):
         raise ValueError(f"{format_placements(placements)} on {mesh}: a grouped shard's piece "
@@ -569,7 +582,15 @@ def local_offsets(global_shape: Sequence[int], mesh: ProcessMesh,
 
 def local_shape(global_shape: Sequence[int], mesh: ProcessMesh,
                 placements: Sequence[Placement], coordinate: Sequence[int]) -> tuple[int, ...]:
-    """Shape of the piece the rank at ``coordinate`` holds."""
+    """Shape of the piece the rank at ``coordinate`` holds (remembered, as
+    ``local_offsets``)."""
+    return _local_shape(tuple(global_shape), mesh, tuple(placements), tuple(coordinate))
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _local_shape(global_shape: tuple[int, ...], mesh: ProcessMesh,
+                 placements: tuple[Placement, ...], coordinate: tuple[int, ...]
+                 ) -> tuple[int, ...]:
     if is_grouped(placements):
         return tuple(sum(b - a for a, b in runs)
                      for runs in local_runs(global_shape, mesh, placements, coordinate))
