@@ -18,6 +18,7 @@ What the IR itself records:
 * ``CONST`` — the value of a constant state (a tensor the trace baked in);
 * ``MULTI`` — the kernel returns a sequence (even of one value);
 * ``STRIDES`` — a random op's traced output strides (its draws follow the memory layout);
+* ``INPUT_LAYOUT`` — an ``as_strided`` op's traced input layout (it reads memory, not values);
 * ``DIST``, ``PINNED_DIMS``, ``ORIGIN`` — a placement annotation op's placement, the mesh
   dims it pins (all when absent) and who made it;
 * ``COMM_TEXT`` — a comm op's collective in words, for dumps;
@@ -37,8 +38,8 @@ from .dist import DistAttr
 
 __all__ = ["StateKind", "StateKey", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME",
            "BATCH_PATH", "REGROUP_DIMS", "STATE", "FILL", "SLOTS", "CONST", "MULTI", "STRIDES",
-           "DIST", "PINNED_DIMS", "ORIGIN", "COMM_TEXT", "LOCAL_NOTE", "DECOMPOSES", "ON_HOST",
-           "check_attrs"]
+           "INPUT_LAYOUT", "DIST", "PINNED_DIMS", "ORIGIN", "COMM_TEXT", "LOCAL_NOTE",
+           "DECOMPOSES", "ON_HOST", "check_attrs"]
 
 T = TypeVar("T")
 
@@ -205,6 +206,8 @@ CONST: Attr[torch.Tensor] = Attr("const", torch.Tensor,
 MULTI: Attr[bool] = Attr("multi", bool, "the kernel returns a sequence, even of one value")
 STRIDES: Attr[tuple] = Attr("strides", tuple,
                             "a random op's traced output strides (None: not a tensor)")
+INPUT_LAYOUT: Attr[tuple] = Attr("input_layout", tuple,
+                                 "an as_strided op's traced input: (strides, storage offset)")
 DIST: Attr[DistAttr] = Attr("dist", DistAttr, "a placement annotation's placement",
                             shown=True)
 PINNED_DIMS: Attr[tuple] = Attr("mesh_dims", tuple,

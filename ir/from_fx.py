@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .attrs import CONST, MULTI, STRIDES, StateKey
+from .attrs import CONST, INPUT_LAYOUT, MULTI, STRIDES, StateKey
 from .core import Op, OpaqueType, OpKind, Program, Role, TensorType, Value, state_op
 from .ops import UnknownOpError, op_info, target_name
 
@@ -123,10 +123,24 @@ class FxImporter:
             # the IR's types do not keep: a rank replays the draw in the trace's layout
             op.attrs[STRIDES] = tuple(tuple(v.stride()) if isinstance(v, torch.Tensor)
                                            else None for v in (val if multi else [val]))
+        if target in STRIDED_READS:
+            _record_input_layout(op, node)
         seq = node.meta.get("seq_nr")
         if role in (Role.FORWARD, Role.LOSS) and isinstance(seq, int):
             self.first_op_by_seq.setdefault(seq, op)
         self.bind(node, list(op.outputs) if multi else op.outputs[0])
+
+
+# ops that read their input's memory through given strides, not its values by index
+STRIDED_READS = ("aten.as_strided.default",)
+
+
+def _record_input_layout(op: Op, node: fx.Node) -> None:
+    """What memory an ``as_strided`` reads: its input's traced strides and storage offset
+    (``passes/strided_views.py`` turns it into plain views where that layout allows)."""
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if isinstance(source, torch.Tensor):
+        op.attrs[INPUT_LAYOUT] = (tuple(source.stride()), source.storage_offset())
 
 
 def _digest(tensor: torch.Tensor) -> str:

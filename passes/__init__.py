@@ -130,5 +130,6 @@ PIPELINE: tuple[Pass, ...] = (
 
 
 def pass_manager(**options) -> PassManager:
-    """A manager of ``PIPELINE`` (``options``: ``verify``, ``dump_dir``, ``disabled``)."""
+    """A manager of ``PIPELINE`` (``options``: ``verify``, ``dump_dir``, ``dump_formats``,
+    ``disabled``)."""
     return PassManager(PIPELINE, **options)

@@ -35,6 +35,26 @@ from ..pipeline.schedules import splits_backward
 from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_TARGET, RESHARD_STEP
 from ..reshard.steps import AllGather, AllReduce, MakePartial, Slice
+from ..spmd import lookup
+
+# How a refusal of a whole-batch read ends: in general, for a batch norm, for a loss.
+_BATCH_NORM_HINT = ("; or normalize each micro-batch by its own statistics, as "
+                    "torch.distributed.pipelining does: pipeline.batch_norm: per_micro_batch")
+_WHOLE_BATCH = (
+    ": a statistic of the whole batch (like BatchNorm's), an op without a rule, or a reshape "
+    "that merges the batch dim into a dim before it cannot work on a micro-batch's rows; use "
+    "pipeline.micro_batches: 1, or give the op a rule / keep the batch dim leading")
+_NO_RULE = (
+    ": {} has no SPMD rule, so it runs replicated, on the whole batch, which a micro-batch "
+    "never holds; add a rule in autopar/spmd/rules/ (debug.strict_rules: true names every "
+    "such op), or use pipeline.micro_batches: 1")
+_COUPLED_LOSS = (
+    ": the loss couples micro-batches (it reads every row of the batch, as a contrastive "
+    "a @ b.T with arange(batch) targets does): a loss per micro-batch would change the math "
+    "(each micro-batch its own negatives), and a loss of the gathered batch needs every "
+    "micro-batch's forward before any backward, which no pipeline schedule runs. Exact "
+    "alternatives: pipeline: {schedule: FThenB, micro_batches: 1}, or data_parallel; or "
+    "write the loss per micro-batch yourself if that is the objective you mean")
 
 
 class PipelineError(ValueError):
@@ -266,20 +286,27 @@ class _PhaseAssignment:
             cone.add(op)
             if any(u.producer.kind is OpKind.STATE
                    and u.producer.attrs[STATE].kind is StateKind.PARAM for u in op.inputs):
-                reader = boundary.attrs.get(FOR_TARGET, "an op")
-                raise PipelineError(
-                    f"{reader} ({boundary.module or 'top level'}) needs the whole batch, "
-                    f"{boundary.attrs[COMM_TEXT]}, of a value {_describe(op)} computes while "
-                    "the pipeline runs: a statistic of the whole batch (like BatchNorm's), an "
-                    "op without a rule, or a reshape that merges the batch dim into a dim "
-                    "before it cannot work on a micro-batch's rows; use pipeline.micro_batches: "
-                    "1, or give the op a rule / keep the batch dim leading")
+                raise PipelineError(self._whole_batch_message(boundary, op))
             homes[op] |= {(s, Phase.PRE_MB) for s, _ in homes[op]}
             todo.extend(op.inputs)
         for op in cone:     # made only for the reduction: not again in the schedule's jobs
             if all(u in cone or BOUNDARY in u.attrs for v in op.outputs
                    for u in self.users.get(v, ())):
                 homes[op] = {(s, Phase.PRE_MB) for s, _ in homes[op]}
+
+    def _whole_batch_message(self, boundary: Op, op: Op) -> str:
+        """Why ``boundary``'s reader cannot have the whole batch of what ``op`` computes."""
+        reader = boundary.attrs.get(FOR_TARGET, "an op")
+        head = (f"{reader} ({boundary.module or 'top level'}) needs the whole batch, "
+                f"{boundary.attrs[COMM_TEXT]}, of a value {_describe(op)} computes while the "
+                "pipeline runs")
+        readers = [u for v in boundary.outputs for u in self.users.get(v, ())]
+        unruled = sorted({u.target for u in readers if u.kind is OpKind.CALL and lookup(u) is None})
+        if unruled:
+            return head + _NO_RULE.format(", ".join(unruled))
+        if any(u.role is Role.LOSS for u in readers):
+            return head + _COUPLED_LOSS
+        return head + _WHOLE_BATCH + (_BATCH_NORM_HINT if "batch_norm" in reader else "")
 
     def _split_weight_grads(self, homes: dict[Op, set[Home]]) -> None:
         """ZB-H1: a stage's B job keeps what the input gradients it sends to earlier stages

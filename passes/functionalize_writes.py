@@ -18,6 +18,9 @@ Only bases the program makes itself (a factory or compute op) are rewritten, and
 every write into the base and every view on the way is of a kind below; otherwise the base
 is left as captured (its in-place ops then run replicated, with a missing-rule warning).
 Writes into parameters, buffers and batch inputs are state updates, not rewritten here.
+
+First, ``as_strided`` views become the plain views they equal (``strided_views.py``): the
+backward of an ``as_strided`` read writes its gradient into a zero buffer through one.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from typing import Callable
 from ..ir import Op, OpKind, Program, Value
 from ..ir.ops import UnknownOpError, op_info, schema_args
 from ..planning.context import PassContext
+from .strided_views import plain_views
 
 
 # view target -> how the written view goes back into the view's input:
@@ -208,6 +212,7 @@ class _Rewrite:
 
 
 def functionalize_writes(program: Program, ctx: PassContext) -> Program:
+    plain_views(program)
     roots = _rewritable_roots(program)
     if roots:
         _Rewrite(program, roots).run()

@@ -52,7 +52,7 @@ def _feed(op: Op, moved: dict, plans: dict) -> list[Op]:
         if (v, need) not in moved:
             key = (v.type, v.dist, need)
             if key not in plans:
-                plans[key] = plan_reshard(v.type.shape, v.dist, need, v.type.dtype.itemsize)
+                plans[key] = _plan(op, v, need)
             moved[(v, need)] = _move(comms, op, v, need, plans[key])
         swap[position] = moved[(v, need)]
     if swap:
@@ -97,3 +97,12 @@ def check_resharded(program: Program) -> None:
             if need is not None and v.dist is not None and need != v.dist:
                 raise AssertionError(f"reshard left {op.target} ({op.module or '-'}) reading "
                                      f"{v.dist} where it needs {need}")
+
+
+def _plan(op: Op, v: Value, need: DistAttr) -> list:
+    """The steps that move ``v`` to what ``op`` needs; a failure names the op."""
+    try:
+        return plan_reshard(v.type.shape, v.dist, need, v.type.dtype.itemsize)
+    except RuntimeError as e:
+        raise RuntimeError(f"{op.target} ({op.module or 'top level'}, {op.role.value}) reads "
+                           f"a value it needs moved: {e}") from e

@@ -39,8 +39,10 @@ its input is then gathered) the fused kernel stays, in its out-of-place form
 ``_native_batch_norm_legit_functional`` (bit-identical), so its running statistics are
 update results as well. Serial programs keep the captured kernels (bit-identical to eager);
 eval keeps them too (with running statistics the op is elementwise, its rule shards the
-batch, and nothing is written). New ops keep the replaced op's role, module and forward link
-and decomposed ones carry ``decomposes=<op>`` for the dumps.
+batch, and nothing is written). A pipeline asked for per-micro-batch statistics
+(``pipeline.batch_norm: per_micro_batch``) gets ``micro_batch_norm.py``'s ops instead. New
+ops keep the replaced op's role, module and forward link and decomposed ones carry
+``decomposes=<op>`` for the dumps.
 """
 from __future__ import annotations
 
@@ -53,7 +55,9 @@ from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DECOMPOSES, NAME, Slot, StateKind
 from ..ir.ops import op_info, schema_args
 from ..planning.context import PassContext
+from . import micro_batch_norm
 from .functionalize_writes import out_of_place
+from .micro_batch_norm import micro_batches_apart
 
 _A = "aten."
 _FORWARD = _A + "native_batch_norm.default"
@@ -66,11 +70,20 @@ def sync_batch_norm(program: Program, ctx: PassContext) -> Program:
     if ctx.inputs.mode != "train" or not _several_ranks(program, ctx):
         return program
     decompose = batch_may_shard(program, ctx)
+    apart = micro_batches_apart(ctx)
     producer_of: dict[Op, Op] = {}     # a replaced forward op -> the op now making its result
     updates: list[tuple[Value, Value]] = []   # (running statistic, its new value), in order
+    per_micro_batch: set[Value] = set()       # saved means of per-micro-batch batch norms
     ops: list[Op] = []
     for op in program.ops:
-        if decompose and _rewritable(op, _FORWARD, "training"):
+        if apart and micro_batch_norm.is_training_batch_norm(op):
+            new, made = micro_batch_norm.forward(op, apart)
+            producer_of[op] = new[0]
+            per_micro_batch.add(op.outputs[1])
+            updates += made
+        elif micro_batch_norm.is_its_backward(op, per_micro_batch):
+            new = [micro_batch_norm.backward(op)]
+        elif decompose and _rewritable(op, _FORWARD, "training"):
             new, made = _forward(op)
             producer_of[op] = op.outputs[0].producer   # the new op making its output
             updates += made
@@ -85,6 +98,8 @@ def sync_batch_norm(program: Program, ctx: PassContext) -> Program:
         ops.extend(new)
     program.ops = ops
     program.relink_forward_ops(producer_of)
+    micro_batch_norm.count_each_micro_batch(
+        program, {op.module for op in producer_of if op.outputs[1] in per_micro_batch}, apart)
     _explicit_buffer_updates(program, updates)
     return program
 

@@ -24,8 +24,10 @@ Validity of a step in a state (why each rule exists):
 * A pipeline's micro-batch dim ``mb`` is time, not processes: over it only sums, gathers,
   slices and new partials exist, they cost nothing, and any other step costs once per
   micro-batch while the value still differs between micro-batches (so gradients are
-  accumulated before they are all-reduced). Norm partials (``P(norm2)``) never live on
-  it: accumulating over time knows sums, maxima and minima only.
+  accumulated before they are all-reduced). A change with no such step (``S(0) -> S(1)``)
+  goes through R: gathered over every micro-batch, then each micro-batch's piece. Norm
+  partials (``P(norm2)``) never live on it: accumulating over time knows sums, maxima and
+  minima only.
 """
 from __future__ import annotations
 
@@ -158,8 +160,18 @@ def _candidates(shape: Sequence[int], src: DistAttr, dst: DistAttr) -> list[list
     only possible once every micro-batch has made its term, so never on the way."""
     shards = [Shard(t) for t in range(len(shape))]
     mb = micro_batch_dim(src.mesh)
-    return [list(dict.fromkeys([s, t] if d == mb else [Replicate(), s, t, *shards]))
+    return [list(dict.fromkeys(_over_time(s, t) if d == mb else [Replicate(), s, t, *shards]))
             for d, (s, t) in enumerate(zip(src.placements, dst.placements))]
+
+
+def _over_time(src: Placement, dst: Placement) -> list[Placement]:
+    """A micro-batch dim's way: straight, or through R where no step over time goes
+    (``S(0) -> S(1)``: gathered once every micro-batch has made its piece, then cut again).
+    Whether the reader can wait for every micro-batch is the pipeline's question
+    (``passes/assign_phases.py`` refuses, naming it, where it cannot)."""
+    if src == dst or src.is_replicate() or dst.is_replicate():
+        return [src, dst]
+    return [src, Replicate(), dst]
 
 
 def plan_reshard(shape: Sequence[int], src: DistAttr, dst: DistAttr,

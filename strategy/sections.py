@@ -224,7 +224,13 @@ class ExpertParallelConfig(Section):
 
 class PipelineConfig(Section):
     """Pipeline stages over ``axis``; ``split`` is "auto" or the module names where a stage
-    begins (stage boundaries, so one fewer than the number of stages)."""
+    begins (stage boundaries, so one fewer than the number of stages).
+
+    ``batch_norm``: what a training BatchNorm normalizes by when there are several
+    micro-batches. ``whole_batch`` (the default): the statistics of the whole batch, as
+    eager torch on the batch, which a pipeline cannot compute (refused, naming the op).
+    ``per_micro_batch``: each micro-batch by its own statistics, running statistics
+    updated once per micro-batch in order (what torch.distributed.pipelining computes)."""
 
     SECTION: ClassVar[str] = "pipeline"
     axis: AxisName = "pp"
@@ -234,6 +240,7 @@ class PipelineConfig(Section):
     vpp_chunks: PositiveInt = 1
     # the dim micro-batches cut (as data_parallel.batch_dim; the two must agree)
     batch_dim: BatchDim = 0
+    batch_norm: Literal["whole_batch", "per_micro_batch"] = "whole_batch"
 
     @model_validator(mode="after")
     def _chunks_match_schedule(self) -> PipelineConfig:
@@ -577,16 +584,42 @@ class DebugConfig(Section):
     ``trace`` writes a pipeline's jobs, each rank on a timeline, as a Chrome/Perfetto trace
     (``<dump_dir>/pipeline_trace.json``: measured wall times of every step of ``fit`` on
     real processes, the schedule's simulated timeline when simulating).
+    ``dump_format`` says what ``dump_dir`` receives for each pass: ``text`` (the program
+    after each pass, ``NN_<pass>.txt``; the default), ``dot`` (the same program as a Graphviz
+    graph, ``NN_<pass>.dot``, values coloured by placement, collectives marked) and ``html``
+    (one self-contained page per plan, ``<prefix>plan.html``: every pass, its program, its
+    collectives and what it changed). Any combination; a single name is a list of one.
     These never change what is computed, so the section is never "enabled" as a feature.
     """
 
     SECTION: ClassVar[str] = "debug"
+    DUMP_FORMATS: ClassVar[tuple[str, ...]] = ("text", "dot", "html")
     dump_dir: Annotated[str, Field(strict=True, min_length=1)] | None = None
+    dump_format: tuple[Literal["text", "dot", "html"], ...] = ("text",)
     verify: StrictBool = True
     strict_rules: StrictBool = False
     simulate: StrictBool = False
     trace: StrictBool = False
     locate_divergence: StrictBool = False
+
+    @field_validator("dump_format", mode="before")
+    @classmethod
+    def _known_formats(cls, value: Any) -> Any:
+        """One name or a list of distinct known names: an unknown one is named with the
+        formats there are (a misspelt format would silently write nothing)."""
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)) or not names:
+            raise ValueError(f"debug.dump_format {value!r}: give one or more of "
+                             f"{', '.join(cls.DUMP_FORMATS)}, e.g. [text, html]")
+        for name in names:
+            if name not in cls.DUMP_FORMATS:
+                close = difflib.get_close_matches(str(name), cls.DUMP_FORMATS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"debug.dump_format: unknown format {name!r}{hint}; formats: "
+                                 f"{', '.join(cls.DUMP_FORMATS)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"debug.dump_format {list(names)}: a format is named twice")
+        return tuple(names)
 
     @property
     def is_enabled(self) -> bool:

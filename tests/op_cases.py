@@ -247,6 +247,57 @@ def _conv_cases(g: torch.Generator) -> list[OpCase]:
     ]
 
 
+def _index_put_cases(g: torch.Generator) -> list[OpCase]:
+    """Indexed writes: the backward of ``table[ids]`` (accumulated, 1-D and 2-D ids), a
+    write of distinct rows, and non-adjacent index tensors (their dims lead the values)."""
+    table = torch.randn(6, 4, generator=g)
+    ids = torch.randint(0, 6, (3, 5), generator=g)
+    cube = torch.randn(6, 5, 4, generator=g)
+    return [
+        synthetic("aten.index_put.default", table, [ids[0]], torch.randn(5, 4, generator=g),
+                  True),
+        synthetic("aten.index_put.default", table, [ids], torch.randn(3, 5, 4, generator=g),
+                  True),
+        synthetic("aten.index_put.default", table, [torch.tensor([4, 0, 2])],
+                  torch.randn(3, 4, generator=g), False),
+        synthetic("aten.index_put.default", cube, [ids[0, :3], None, ids[1, :3] % 4],
+                  torch.randn(3, 5, generator=g), True),
+    ]
+
+
+def _activation_backward_cases(g: torch.Generator) -> list[OpCase]:
+    """Activation backwards torch does not tag pointwise (linear in the gradient), and
+    hardswish, which is not tagged either."""
+    grad, x = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    a = "aten."
+    return [
+        synthetic(a + "softplus_backward.default", grad, x, 1.0, 20.0),
+        synthetic(a + "elu_backward.default", grad, 1.0, 1.0, 1.0, False, x),
+        synthetic(a + "hardtanh_backward.default", grad, x, -1.0, 1.0),
+        synthetic(a + "leaky_relu_backward.default", grad, x, 0.01, False),
+        synthetic(a + "mish_backward.default", grad, x),
+        synthetic(a + "hardswish_backward.default", grad, x),
+        synthetic(a + "hardsigmoid_backward.default", grad, x),
+        synthetic(a + "softshrink_backward.default", grad, x, 0.5),
+        synthetic(a + "hardshrink_backward.default", grad, x, 0.5),
+        synthetic(a + "logit_backward.default", grad, x.sigmoid(), None),
+        synthetic(a + "hardswish.default", x),
+    ]
+
+
+def _micro_batch_norm_cases(g: torch.Generator) -> list[OpCase]:
+    """Batch norm by a micro-batch's statistics (outside a pipeline: plain batch norm)."""
+    x, w, b = torch.randn(6, 4, 3, generator=g), torch.randn(4, generator=g), \
+        torch.randn(4, generator=g)
+    out, mean, invstd, _, _ = resolve("autopar.micro_batch_norm")(x, w, b, 0.1, 1e-5)
+    grad = torch.randn_like(out)
+    return [
+        synthetic("autopar.micro_batch_norm", x, w, b, 0.1, 1e-5),
+        synthetic("autopar.micro_batch_norm_backward", grad, x, w, mean, invstd, 1e-5,
+                  [True, True, True]),
+    ]
+
+
 def _synthetic_cases() -> list[OpCase]:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 5, 4, generator=g)
@@ -268,6 +319,9 @@ def _synthetic_cases() -> list[OpCase]:
             synthetic("aten.index.Tensor", x, [None, torch.tensor([[0, 3], [1, 1], [4, 2]])]),
             synthetic("aten.index.Tensor", x, [torch.tensor([5, 0, 2]), None,
                                                torch.tensor([1, 3, 0])]),
+            *_index_put_cases(g),
+            *_activation_backward_cases(g),
+            *_micro_batch_norm_cases(g),
             synthetic("aten.view_as_complex.default", torch.randn(6, 4, 2, generator=g)),
             synthetic("aten.view_as_real.default", torch.randn(6, 4, dtype=torch.complex64,
                                                                generator=g)),

@@ -28,6 +28,7 @@ Every form reads placements from ``ctx``: ``needs`` (what each tensor input hold
 # LOCAL_FORMS
 from . import (  # noqa: F401
     attention,
+    batch_norm,
     embedding,
     guards,
     losses,

@@ -13,13 +13,15 @@ from .local_call import LocalCall, LocalContext, UnsupportedLocalForm
 # kernels that crash on empty pieces (uneven shards leave trailing ranks empty)
 # ----------------------------------------------------------------------------------------
 # Kernels that refuse (or crash on) an empty piece: the CPU flash-attention kernels divide
-# by the head count; convolution and pooling kernels check their input is non-empty.
+# by the head count; convolution, pooling and batch norm kernels check their input is
+# non-empty (a batch norm backward of no channels divides by zero).
 # (The CPU flash-attention kernels' form, ``attention.py``, calls ``empty_guard`` first.)
 _EMPTY_UNSAFE = (
     "aten.convolution.default",
     "aten.convolution_backward.default",
     "aten.max_pool2d_with_indices.default",
     "aten.max_pool2d_with_indices_backward.default",
+    "autopar.micro_batch_norm_backward",    # (its forward's form, ``batch_norm.py``, too)
 )
 
 

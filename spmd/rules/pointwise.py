@@ -58,10 +58,22 @@ def to_copy(op: Op) -> Spec:
 
 @register("aten.threshold_backward.default", "aten.gelu_backward.default",
           "aten.silu_backward.default", "aten.tanh_backward.default",
-          "aten.sigmoid_backward.default", "aten.native_dropout_backward.default")
+          "aten.sigmoid_backward.default", "aten.native_dropout_backward.default",
+          # activation backwards torch does not tag pointwise (so no fallback finds them)
+          "aten.softplus_backward.default", "aten.elu_backward.default",
+          "aten.hardtanh_backward.default", "aten.hardsigmoid_backward.default",
+          "aten.hardswish_backward.default", "aten.leaky_relu_backward.default",
+          "aten.mish_backward.default", "aten.softshrink_backward.default",
+          "aten.hardshrink_backward.default", "aten.logit_backward.default")
 def grad_times_local(op: Op) -> Spec:
     # grad_input = grad_output * f(saved): linear in the incoming gradient.
     return elementwise(op, linear="each", linear_inputs={0})
+
+
+@register("aten.hardswish.default")
+def untagged(op: Op) -> Spec:
+    # elementwise and nonlinear, but not tagged pointwise (so the fallback misses it)
+    return elementwise(op)
 
 
 @register("aten.bernoulli_.float", "aten.native_dropout.default")
