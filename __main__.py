@@ -1,13 +1,18 @@
 """Command line: ``python -m autopar demo``, ``python -m autopar plan``, ``python -m autopar
-export`` and ``python -m autopar calibrate``."""
+diff``, ``python -m autopar export`` and ``python -m autopar calibrate``."""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m autopar")
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's parser, every subcommand with its options (the docs check their command
+    lines against it)."""
+    # the `autopar` console script, or `python -m autopar`
+    called = "autopar" if Path(sys.argv[0]).name == "autopar" else "python -m autopar"
+    parser = argparse.ArgumentParser(prog=called)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a char-level GPT on Python stdlib source")
     demo.add_argument("--steps", type=int, default=400)
@@ -23,14 +28,18 @@ def main(argv: list[str] | None = None) -> None:
                      "the per-pass dumps and explain placements (no launcher needed)")
     plan.add_argument("script", help="a training script that builds an autopar.Engine; "
                                      "its own arguments go after '--'")
-    plan.add_argument("--strategy", help="a strategy YAML that replaces the script's own")
+    plan.add_argument("--strategy", help="a strategy YAML that replaces the script's own, "
+                                         "or a packaged config's name (dp_tp)")
     plan.add_argument("--dump-dir", default="dumps/plan")
     plan.add_argument("--locate-divergence", action="store_true",
                       help="run the first training step on the simulator next to one device "
                            "and report the first op that differs")
     plan.add_argument("--explain", action="append", default=[], metavar="VALUE",
                       help="why VALUE has its placement: %%12, loss, grad[fc1.weight], "
-                           "fc1.weight (repeatable)")
+                           "fc1.weight (repeatable); the answer in at most 10 lines")
+    plan.add_argument("--depth", type=_depth, default=0, metavar="N",
+                      help="--explain: also the chain of reasons behind each answer, value "
+                           "by value, N levels deep")
     plan.add_argument("--auto", action="store_true",
                       help="let the planner choose the strategy (the script's mesh, degrees, "
                            "ZeRO and recompute are dropped; --strategy's are kept as "
@@ -46,6 +55,21 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--write-strategy", metavar="FILE",
                       help="write the planned strategy's YAML to FILE (under --auto or an "
                            "auto: section, the one the planner chose)")
+    diff = sub.add_parser(
+        "diff", help="what changed between two plans: compare two dump directories "
+                     "(--dump-dir / debug.dump_dir) pass by pass, passes matched by name")
+    diff.add_argument("dump_a", metavar="DUMP_A", help="the first plan's dump directory")
+    diff.add_argument("dump_b", metavar="DUMP_B", help="the second plan's dump directory")
+    diff.add_argument("--rank", type=int, action="append", metavar="R",
+                      help="compare only rank R (repeatable; default: every rank)")
+    diff.add_argument("--max-lines", type=int, default=60, metavar="N",
+                      help="diff lines shown per changed pass (default 60)")
+    diff.add_argument("--context", type=int, default=2, metavar="N",
+                      help="unchanged lines around each change (default 2)")
+    diff.add_argument("--summary", action="store_true",
+                      help="only the one-line summary per pass, no diffs")
+    diff.add_argument("--exit-code", action="store_true",
+                      help="exit 1 when the plans differ, 0 when they are the same")
     export = sub.add_parser(
         "export", help="consolidate the model of a checkpoint (Engine.save) into one "
                        "safetensors file")
@@ -67,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     calibrate.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                            help="what to measure, as the strategy's device: says (default: "
                                 "$AUTOPAR_CALIBRATE_DEVICE, else auto: CUDA where present)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # plan's own options anywhere; the script's arguments after "--"
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -77,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         from .engine.offline import plan_script
         print(plan_script(args.script, script_args, args.strategy, args.dump_dir,
                           args.explain, args.locate_divergence, _auto_section(parser, args),
-                          args.write_strategy))
+                          args.write_strategy, args.depth))
+    elif args.command == "diff":
+        run_diff(parser, args)
     elif args.command == "export":
         from .checkpoint import consolidate_model
         print(consolidate_model(args.checkpoint, args.out))
@@ -104,6 +135,30 @@ def _auto_section(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     except ValueError as err:
         parser.error(f"--auto: {err}")
     return auto
+
+
+def _depth(text: str) -> int:
+    """``--depth``: a whole number of levels, 0 or more."""
+    depth = int(text)
+    if depth < 0:
+        raise argparse.ArgumentTypeError(f"{depth} levels: give 0 or more")
+    return depth
+
+
+def run_diff(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Print what changed between two plans' dumps; a missing or foreign directory is a
+    usage error naming it."""
+    from .planning.dump_diff import format_dump_diff
+    if args.max_lines < 0 or args.context < 0:
+        parser.error("diff: --max-lines and --context take 0 or more")
+    try:
+        text, differs = format_dump_diff(args.dump_a, args.dump_b, args.rank, args.max_lines,
+                                         args.context, args.summary)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))
+    print(text, end="")
+    if args.exit_code and differs:
+        sys.exit(1)
 
 
 def run_demo(args: argparse.Namespace, argv: list[str]) -> None:

@@ -22,7 +22,7 @@ from ..auto import AutoPlan, format_auto_plan
 from ..capture import StepSpec, batch_paths, flatten_batch
 from ..checkpoint import latest_checkpoint
 from ..cost import Profile, StepTime, default_profile
-from ..ir import Program, Slot
+from ..ir import Program, Slot, value_names
 from ..lower import lower_program
 from ..passes import pass_manager
 from ..pipeline import chrome_trace
@@ -35,6 +35,7 @@ from ..runtime import (
     compile_seconds,
     locate_divergence,
     resolve_device,
+    whole_values,
 )
 from ..state import (
     BackgroundSaver,
@@ -54,6 +55,7 @@ from .data_position import (
     loader_generators,
     position_between_epochs,
 )
+from .eager_reference import EagerDivergence, compare_with_eager, run_eager
 from .elastic import resized
 from .launch import Launch
 from .offline import finish_offline_plan
@@ -263,15 +265,17 @@ class Engine:
         self._settle_auto(inputs, labels)
         return self.planner.time(self.planner.plan(mode, inputs, labels), profile)
 
-    def explain(self, what: str, mode: str = "train") -> str:
-        """Why a value of the last planned ``mode`` program has its placement, traced back
-        to the annotations: ``what`` is a dump name (``%12``), a result (``loss``,
-        ``grad[fc1.weight]``) or a parameter/input name (``fc1.weight``, ``batch/0``)."""
+    def explain(self, what: str, mode: str = "train", depth: int = 0) -> str:
+        """Why a value of the last planned ``mode`` program has its placement: ``what`` is a
+        dump name (``%12``), a result (``loss``, ``grad[fc1.weight]``) or a parameter/input
+        name (``fc1.weight``, ``batch/0``). The answer first, in at most 10 lines (placement,
+        the rule and pass that made it, the annotations and strategy choices behind it);
+        ``depth`` > 0 adds the chain of reasons, value by value, that many levels deep."""
         step = self.planner.last(mode)
         if step is None:
             raise ValueError(f"explain: nothing planned for mode {mode!r} yet; call "
                              f"engine.prepare(sample_inputs, sample_labels, mode={mode!r})")
-        return explain_value(step.program, what)
+        return explain_value(step.program, what, depth)
 
     def summary(self, mode: str = "train") -> str:
         """The last planned ``mode`` step at a glance: mesh, placements, communication, and
@@ -283,11 +287,22 @@ class Engine:
 
     def locate_divergence(self, inputs: Any, labels: Any = None, seed: int | None = None,
                           rtol: float = 1e-4, atol: float = 1e-5,
-                          accumulate_only: bool = False) -> Divergence | None:
-        """Run one training step of the plan for this batch on the simulator, op by op next
-        to the same step on one device, and return the first op whose assembled result
-        differs (None: none does). Changes no state; reads the model's current values.
-        ``accumulate_only``: gradient merge's step that only accumulates."""
+                          accumulate_only: bool = False, reference: str = "plan"
+                          ) -> Divergence | EagerDivergence | None:
+        """Where does the plan first stop computing what one device computes (None: it
+        does not)? Changes no state; reads the model's current values.
+
+        ``reference="plan"``: one training step of the plan for this batch runs on the
+        simulator, op by op next to the plan's own global program on one device; the first
+        op whose ranks' pieces, assembled, differ is returned (a ``Divergence``).
+        ``accumulate_only``: gradient merge's step that only accumulates.
+
+        ``reference="eager"``: the plan's global program on one device next to the user's
+        model run eagerly (a copy; the same random draws, under amp O1 the same autocast):
+        the first module whose forward output differs beyond its dtype's tolerance, then
+        the loss, then each module's gradients in backward order, with the plan's ops inside
+        it (an ``EagerDivergence``). This finds capture and rewrite bugs, which the plan's
+        own reference shares."""
         self._settle_auto(inputs, labels)
         step = _cycle_part(self.planner.plan("train", inputs, labels), accumulate_only)
         facts = step.facts
@@ -297,9 +312,28 @@ class Engine:
         for name, piece in next(iter(lowered.processes.values())).state.items():
             if name not in state and piece.const is None:
                 state[name] = self.state.initial(piece)
-        return locate_divergence(lowered, self._feeds(inputs, labels, "train"), state,
-                                 seed=self.strategy.seed if seed is None else seed,
-                                 rtol=rtol, atol=atol)
+        seed = self.strategy.seed if seed is None else seed
+        feeds = self._feeds(inputs, labels, "train")
+        if reference == "eager":
+            return self._against_eager(lowered, feeds, state, inputs, labels, seed)
+        if reference != "plan":
+            raise ValueError(f"locate_divergence: reference={reference!r} is not 'plan' (the "
+                             "plan's own program on one device) or 'eager' (the model run "
+                             "eagerly)")
+        return locate_divergence(lowered, feeds, state, seed=seed, rtol=rtol, atol=atol)
+
+    def _against_eager(self, lowered, feeds, state, inputs, labels, seed: int
+                       ) -> EagerDivergence | None:
+        amp = self.strategy.amp
+        if amp.is_enabled and amp.level != "O1":
+            raise ValueError(f"locate_divergence(reference='eager'): amp level {amp.level} "
+                             "casts the parameters themselves, which eager torch has no "
+                             "counterpart of; compare under level O1 (torch.autocast)")
+        eager = run_eager(self.model, self.loss, inputs, labels, seed,
+                          getattr(torch, amp.dtype) if amp.is_enabled else None)
+        values = whole_values(lowered, feeds, state, seed)
+        return compare_with_eager(lowered.program, values, eager,
+                                  value_names(lowered.program))
 
     @property
     def distributed(self) -> bool:

@@ -15,11 +15,13 @@ from typing import Mapping
 from ..strategy import DUMP_DIR_ENV, Strategy
 
 __all__ = ["Launch", "OfflinePlanning", "PLAN_REPORT_ENV", "PLAN_STRATEGY_ENV",
-           "PLAN_EXPLAIN_ENV", "PLAN_LOCATE_ENV", "PLAN_AUTO_ENV", "PLAN_WRITE_ENV"]
+           "PLAN_EXPLAIN_ENV", "PLAN_DEPTH_ENV", "PLAN_LOCATE_ENV", "PLAN_AUTO_ENV",
+           "PLAN_WRITE_ENV"]
 
 PLAN_REPORT_ENV = "AUTOPAR_PLAN_REPORT"      # plan offline; write the report to this file
 PLAN_STRATEGY_ENV = "AUTOPAR_PLAN_STRATEGY"  # a strategy YAML that replaces the script's own
 PLAN_EXPLAIN_ENV = "AUTOPAR_PLAN_EXPLAIN"    # JSON list of values to explain in the report
+PLAN_DEPTH_ENV = "AUTOPAR_PLAN_EXPLAIN_DEPTH"   # how deep each explanation's chain goes
 PLAN_LOCATE_ENV = "AUTOPAR_PLAN_LOCATE"      # "1": also locate the first divergence
 PLAN_AUTO_ENV = "AUTOPAR_PLAN_AUTO"          # JSON auto section: let the planner choose
 PLAN_WRITE_ENV = "AUTOPAR_PLAN_WRITE_STRATEGY"   # write the planned strategy's YAML here
@@ -35,6 +37,7 @@ class OfflinePlanning:
     locate_divergence: bool = False
     auto: dict | None = None              # ``--auto``: the auto section to plan with
     write_strategy: str | None = None     # ``--write-strategy``: where the chosen YAML goes
+    explain_depth: int = 0                # ``--depth``: the chain of reasons under each answer
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,8 @@ class Launch:
                                       tuple(json.loads(environ.get(PLAN_EXPLAIN_ENV) or "[]")),
                                       environ.get(PLAN_LOCATE_ENV) == "1",
                                       json.loads(environ.get(PLAN_AUTO_ENV) or "null"),
-                                      environ.get(PLAN_WRITE_ENV) or None)
+                                      environ.get(PLAN_WRITE_ENV) or None,
+                                      int(environ.get(PLAN_DEPTH_ENV) or "0"))
         return cls(int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1")),
                    environ.get(DUMP_DIR_ENV) or None, offline,
                    int(environ.get("LOCAL_RANK", environ.get("RANK", "0"))),

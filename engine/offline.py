@@ -26,6 +26,7 @@ from ..lower import format_estimates
 from ..strategy import DUMP_DIR_ENV
 from .launch import (
     PLAN_AUTO_ENV,
+    PLAN_DEPTH_ENV,
     PLAN_EXPLAIN_ENV,
     PLAN_LOCATE_ENV,
     PLAN_REPORT_ENV,
@@ -43,18 +44,24 @@ _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MA
 
 def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
                 dump_dir: str, explain: list[str], locate_divergence: bool = False,
-                auto: dict | None = None, write_strategy: str | None = None) -> str:
+                auto: dict | None = None, write_strategy: str | None = None,
+                explain_depth: int = 0) -> str:
     """Run ``script`` until its first step is planned; return the report of the plan.
     ``auto``: an ``auto`` section (``devices``, ``memory_limit_gb``, ...): the planner
     chooses the strategy (the script's layout dropped; ``strategy_yaml``'s kept as
-    constraints) and ``write_strategy`` receives the chosen one's YAML."""
+    constraints) and ``write_strategy`` receives the chosen one's YAML. ``explain_depth``:
+    the chain of reasons under each explanation (0: the short answer only)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "plan.txt"
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
         env.update({PLAN_REPORT_ENV: str(report), DUMP_DIR_ENV: str(Path(dump_dir).resolve()),
-                    PLAN_EXPLAIN_ENV: json.dumps(list(explain))})
+                    PLAN_EXPLAIN_ENV: json.dumps(list(explain)),
+                    PLAN_DEPTH_ENV: str(explain_depth)})
         if strategy_yaml:
-            env[PLAN_STRATEGY_ENV] = str(Path(strategy_yaml).resolve())
+            # a file, made absolute for the script's own working directory; otherwise a
+            # packaged config's name (Strategy.from_yaml("dp_tp")), passed as it is
+            env[PLAN_STRATEGY_ENV] = str(Path(strategy_yaml).resolve()) \
+                if Path(strategy_yaml).exists() else strategy_yaml
         if locate_divergence:
             env[PLAN_LOCATE_ENV] = "1"
         if auto is not None:
@@ -91,6 +98,12 @@ def _time_report(engine, step) -> str:
     return f"{format_step_time(engine.planner.time(step, profile))}\n  (from {source})"
 
 
+def _page(mode: str) -> str:
+    """The html page's name for the first planned step of ``mode`` (the pass manager's
+    dump prefix: none for training)."""
+    return f"{'' if mode == 'train' else mode + '_'}plan.html"
+
+
 def finish_offline_plan(engine, mode: str, offline: OfflinePlanning, inputs,
                         labels) -> NoReturn:
     """In the script's process: its first step is planned for every rank; write the report
@@ -107,7 +120,10 @@ def finish_offline_plan(engine, mode: str, offline: OfflinePlanning, inputs,
     lines += [engine.summary(mode), format_estimates(engine.planner.memory(step)),
              _time_report(engine, step),
              f"dumps: {engine.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
-    lines += [f"\nexplain {what}:\n{engine.explain(what, mode)}" for what in offline.explain]
+    if "html" in engine.strategy.debug.dump_format:
+        lines.append(f"the plan on one page: {engine.dump_dir}/rank0/{_page(mode)}")
+    lines += [f"\nexplain {what}:\n{engine.explain(what, mode, offline.explain_depth)}"
+              for what in offline.explain]
     if offline.locate_divergence and mode == "train":
         found = engine.locate_divergence(inputs, labels)
         lines.append("\n" + (str(found) if found is not None else

@@ -98,6 +98,8 @@ class PlannedStep:
     # gradient merge: the planned step of the cycle's accumulating batches
     accumulating: "PlannedStep | None" = None
     mode: str = field(init=False)
+    # every process lowered, for the reports (memory, time): made once, on first ask
+    every_process: Lowered | None = None
 
     def __post_init__(self) -> None:
         self.mode = self.spec.mode
@@ -189,7 +191,9 @@ class Planner:
         """(program, facts, pass timings, lowered, dump): the passes, then every process's
         program (``dump``: where they were dumped, None when not asked)."""
         ctx = PassContext(plan_inputs)
-        manager = pass_manager(verify=self.strategy.debug.verify, dump_dir=self.dump_dir)
+        debug = self.strategy.debug
+        manager = pass_manager(verify=debug.verify, dump_dir=self.dump_dir,
+                               dump_formats=debug.dump_format)
         program = manager.run(captured, ctx)
         facts = ctx.state
         dump = None if self.dump_dir is None else Dump(
@@ -253,13 +257,16 @@ class Planner:
 
     def _every_process(self, step: PlannedStep) -> Lowered:
         """The step lowered for every process of its mesh (lowering the ones not lowered
-        yet, for a report only)."""
+        yet, once per step: the memory estimate and the time prediction share it)."""
+        if step.every_process is not None:
+            return step.every_process
         lowered, facts = step.lowered, step.facts
         mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
         every = [0] if mesh is None else sorted(int(p) for p in mesh.process_ids)
         if any(p not in lowered.processes for p in every):
             lowered = lower_program(step.program, facts.mesh, facts.pipeline, facts.schedule,
                                     None, None, check=False)
+        step.every_process = lowered
         return lowered
 
     def _processes(self, facts: PlanState) -> list[int] | None:

@@ -15,10 +15,10 @@ from .core import (
     state_op,
 )
 from .dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
-from .printer import format_program
+from .printer import format_program, value_names
 from .verifier import VerificationError, verify
 
 __all__ = ["NAME", "STATE", "Attr", "DistAttr", "Partial", "Placement", "ProcessMesh",
            "Replicate", "Shard", "OpaqueType", "Op", "OpKind", "Program", "Role", "Slot",
            "StateKey", "StateKind", "TensorType", "Value", "ValueType", "state_op",
-           "format_program", "verify", "VerificationError"]
+           "format_program", "value_names", "verify", "VerificationError"]

@@ -7,7 +7,7 @@ over what at which price.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .dist import Groups, format_groups
@@ -55,6 +55,9 @@ class Reason:
     op: Op | None = None                             # the op whose rule or need decided
     sources: tuple[Value, ...] = ()                  # values this choice was made from
     choices: tuple[MeshDimChoice, ...] = ()
+    # the pass that recorded it (the pass manager stamps it after each pass, so explain can
+    # say which pass decided); not part of the reason's identity
+    made_by: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in REASON_KINDS:

@@ -71,29 +71,173 @@ def format_explanations(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
-def explain_value(program: Program, what: str, depth: int = 64) -> str:
-    """The chain of reasons behind one value, back to annotations. ``what`` is a printed
-    name (``%12``), a result slot (``grad[fc1.weight]``, ``loss``) or a state/input name.
-    Only sources that are sharded or partial are followed: a replicated input constrains
-    nothing, so it is named in its consumer's line and not expanded."""
+SHORT_LINES = 10        # the most lines of explain's answer without ``depth``
+ROOT_KINDS = ("annotation", "plan", "data_parallel")     # the user's decisions
+_KIND_TEXT = {"annotation": "an annotation", "plan": "a strategy plan entry",
+              "data_parallel": "the data_parallel section", "rule": "the op's SPMD rule",
+              "no_rule": "no SPMD rule for the op: the replicate fallback",
+              "consumer": "as its consumer wants it", "default": "replicated by default",
+              "reshard": "a collective inserted by reshard", "merge": "gradient merge"}
+
+
+def explain_value(program: Program, what: str, depth: int = 0) -> str:
+    """Why one value has its placement. ``what`` is a printed name (``%12``), a result slot
+    (``grad[fc1.weight]``, ``loss``) or a state/input name.
+
+    The answer comes first, in at most ``SHORT_LINES`` lines: the placement, the rule or
+    step that made it (and the pass that recorded it), what it was made from and the
+    annotations and strategy choices it traces back to. ``depth`` > 0 adds the chain of
+    reasons behind it, value by value, ``depth`` levels deep. Only sources that are sharded
+    or partial are followed: a replicated input constrains nothing, so it is named in its
+    consumer's line and not expanded."""
+    if depth < 0:
+        raise ValueError(f"explain: depth {depth} must be >= 0 (0: the short answer only)")
     names = value_names(program)
     value = _find(program, names, what)
     dims = _mesh_dims(program)
+    chain = _chain(value)
+    lines = _short_answer(value, what, names, chain)
+    if depth > 0:
+        lines.append(f"the reasons behind it, value by value ({depth} deep):")
+        lines += _chain_lines(value, names, dims, depth)
+    return "\n".join(lines) + "\n"
+
+
+def _chain(value: Value) -> dict[Value, int]:
+    """Every value the placement of ``value`` was decided from (itself at 0), with its
+    depth, closest first: its sharded or partial sources, theirs, and so on."""
+    found, frontier = {value: 0}, [value]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for source in _followed(v):
+                if source not in found:
+                    found[source] = found[v] + 1
+                    nxt.append(source)
+        frontier = nxt
+    return found
+
+
+def _followed(v: Value) -> list[Value]:
+    sources = v.why.sources if v.why is not None else ()
+    return [s for s in sources if s.dist is not None and not s.dist.is_replicated]
+
+
+def _short_answer(v: Value, what: str, names: dict[Value, str],
+                  chain: dict[Value, int]) -> list[str]:
+    """At most ``SHORT_LINES`` lines: placement, maker, rule, choice, sources, roots, hint."""
+    name = names[v]
+    where = f"{v.dist.mesh.short()}" if v.dist is not None else "no mesh"
+    head = what if what == name else f"{what} is {name}"
+    lines = [f"{head}: {v.type} {_placements(v)} on {where}"]
+    if v.why is None:
+        return lines + ["  not placed: a serial program, or asked before completion ran"]
+    why = v.why
+    lines.append(f"  placement: {_in_words(v)}")
+    lines.append(f"  made by:   pass '{why.made_by or '?'}' at {_where(v)}")
+    lines.append(f"  rule:      {_rule_text(why)} ({_KIND_TEXT.get(why.kind, why.kind)})")
+    contested = [c for c in why.choices if c.alternatives]
+    if contested:
+        dims = v.dist.mesh.dim_names
+        lines.append("  choice:    " + "; ".join(_choice(c, dims) for c in contested))
+    if why.sources:
+        shown = [f"{names.get(s, '?')} {_placements(s)} {_where(s)}" for s in why.sources[:3]]
+        more = f" (+{len(why.sources) - 3} more)" if len(why.sources) > 3 else ""
+        lines.append("  from:      " + ", ".join(shown) + more)
+    room = SHORT_LINES - len(lines) - (1 if len(chain) > 1 else 0)
+    lines += _roots(v, chain, room, _subject(v, what))
+    if len(chain) > 1:
+        lines.append(f"  why each step: depth=N (--depth N) shows the chain behind it "
+                     f"({len(chain)} values, {max(chain.values())} deep)")
+    return lines
+
+
+def _rule_text(why: Reason) -> str:
+    """The reason's sentence and, for a rule's choice, the rule's spec."""
+    rule = lookup(why.op) if why.kind == "rule" and why.op is not None else None
+    return why.text + (f" [{rule.spec(why.op)}]" if hasattr(rule, "spec") else "")
+
+
+def _in_words(v: Value) -> str:
+    """Each mesh dim's placement in words: ``dp R (replicated), tp S(0) (dim 0 sharded)``."""
+    words = []
+    for dim, p in zip(v.dist.mesh.dim_names, v.dist.placements):
+        meaning = ("replicated" if p.is_replicate() else
+                   f"dim {p.dim} sharded" if p.is_shard() else
+                   f"partial {p.op}: each rank holds a term")
+        words.append(f"{dim} {p} ({meaning})")
+    return ", ".join(words)
+
+
+def _roots(v: Value, chain: dict[Value, int], room: int, subject: str) -> list[str]:
+    """The annotations and strategy choices (plan entries, data_parallel) the placement
+    traces back to, in at most ``room`` lines: first the most relevant one for each mesh
+    dim (about the same module as ``subject``, then the closest), then the others."""
+    best: dict[str, tuple[tuple[int, int], Value]] = {}
+    for u in chain:
+        if u is not v and u.why is not None and u.why.kind in ROOT_KINDS:
+            key = (-_shared_prefix(subject, _subject(u)), chain[u])
+            if u.why.text not in best or key < best[u.why.text][0]:
+                best[u.why.text] = (key, u)
+    ordered = [u for _, u in sorted(best.values(), key=lambda item: item[0])]
+    if not ordered or room <= 0:
+        return []
+    firsts = [next((u for u in ordered if not u.dist.placements[m].is_replicate()), None)
+              for m in range(v.dist.mesh.ndim)]
+    picked = list(dict.fromkeys([u for u in firsts if u is not None] + ordered))
+    items = [f"{u.why.text} (pass '{u.why.made_by or '?'}')" for u in picked]
+    shown = items[:room]
+    if len(items) > room:
+        shown[-1] = f"{shown[-1]} (+{len(items) - room} more: depth=N shows them)"
+    return [f"  decided by: {shown[0]}"] + [f"              {item}" for item in shown[1:]]
+
+
+def _subject(v: Value, what: str = "") -> str:
+    """What a value is about, as a dotted module/parameter name: the parameter of a
+    ``grad[...]``, a state's or input's name, else the module of the op that made it."""
+    if what.startswith("grad[") and what.endswith("]"):
+        return what[5:-1]
+    op = v.producer
+    if op.kind in (OpKind.INPUT, OpKind.STATE):
+        return str(op.attrs[NAME])
+    return op.module or ""
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """How many leading dotted components two names share (``blocks.0.fc1`` and
+    ``blocks.0.fc1.weight``: 3)."""
+    n = 0
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y or not x:
+            break
+        n += 1
+    return n
+
+
+def _chain_lines(value: Value, names: dict[Value, str], dims: tuple[str, ...],
+                 depth: int) -> list[str]:
+    """The chain of reasons, one indented line per value, ``depth`` levels deep."""
     lines: list[str] = []
     seen: set[Value] = set()
+    cut = False
 
     def visit(v: Value, level: int) -> None:
-        if v in seen or level > depth:
+        nonlocal cut
+        if v in seen:
+            return
+        if level > depth:
+            cut = True
             return
         seen.add(v)
         why = describe_reason(v.why, names, dims) if v.why is not None else "not placed"
         lines.append(f"{'  ' * level}{names[v]} {_placements(v)} = {_where(v)}: {why}")
-        for source in (v.why.sources if v.why is not None else ()):
-            if source.dist is not None and not source.dist.is_replicated:
-                visit(source, level + 1)
+        for source in _followed(v):
+            visit(source, level + 1)
 
     visit(value, 0)
-    return "\n".join(lines) + "\n"
+    if cut:
+        lines.append(f"... (deeper reasons cut at depth {depth}; a larger depth shows them)")
+    return lines
 
 
 def _where(v: Value) -> str:

@@ -19,7 +19,7 @@
     spawn               start local ranks without torchrun (tests, benchmarks)
 """
 from .compiled import CompileError, CompileNote
-from .divergence import Divergence, locate_divergence
+from .divergence import Divergence, locate_divergence, whole_values
 from .executor import Executor, compile_seconds
 from .job_store import FedRows
 from .process_groups import resolve_device
@@ -30,5 +30,5 @@ from .runtimes import DistributedRuntime, Initial, LocalRuntime
 RUNTIME_SECTIONS = frozenset({"compile"})
 
 __all__ = ["RUNTIME_SECTIONS", "CompileError", "CompileNote", "compile_seconds", "Divergence",
-           "locate_divergence", "Executor", "FedRows", "cut_piece", "DistributedRuntime", "Initial",
-           "LocalRuntime", "resolve_device"]
+           "locate_divergence", "whole_values", "Executor", "FedRows", "cut_piece",
+           "DistributedRuntime", "Initial", "LocalRuntime", "resolve_device"]

@@ -26,7 +26,7 @@ from ..lower.executable import Lowered
 from .seeding import draw_generator, forked_generator
 from .simulator import call_op, initial_value, simulate_step
 
-__all__ = ["Divergence", "locate_divergence"]
+__all__ = ["Divergence", "locate_divergence", "whole_values"]
 
 
 @dataclass(frozen=True)
@@ -178,3 +178,21 @@ def locate_divergence(lowered: Lowered, feeds: dict[str, Any], state: dict[str, 
     except _Stop as stop:
         return stop.found
     return None
+
+
+def whole_values(lowered: Lowered, feeds: dict[str, Any], state: dict[str, Any],
+                 seed: int | None = None) -> dict[Value, Any]:
+    """Every value of one step of ``lowered``'s global program on whole tensors (each comm
+    op the identity: the one device the plan stands for), random ops drawing in program
+    order from the generator seeded ``seed``. ``state`` is not changed. What eager torch is
+    compared with (``engine.eager_reference``)."""
+    whole = _Reference(lowered, feeds, state, 0.0, 0.0)
+    with forked_generator(seed), torch.no_grad():
+        for op in lowered.program.ops:
+            if op.kind is OpKind.OUTPUT:
+                break
+            if op.kind is OpKind.CALL:      # draws in order, as one device would
+                whole.whole.update(zip(op.outputs, call_op(op, whole.whole)))
+            else:
+                whole._run(op, None)
+    return whole.whole

@@ -108,7 +108,10 @@ def test_data_parallel_makes_gradients_partial_sum_on_dp_and_the_optimizer_reduc
     others = [m for m in _moves(program) if m.role != Role.OPTIMIZER.value]
     assert all(m.value.type.numel == 1 for m in others), others
     why = engine.explain("grad[fc1.weight]")
-    assert "P(sum)" in why.splitlines()[0] and "data_parallel.axis dp" in why
+    rule = next(line for line in why.splitlines() if line.lstrip().startswith("rule:"))
+    assert "{P(sum)} -> {R}" in rule and "data_parallel.axis dp" in why
+    chain = engine.explain("grad[fc1.weight]", depth=1).split("value by value (1 deep):")[1]
+    assert "{P(sum)}" in chain.splitlines()[2]      # the gradient before its all-reduce
 
 
 def test_every_value_is_placed_for_gpt_on_a_2d_mesh_and_plan_dims_follow_graph_use():
@@ -289,11 +292,13 @@ def test_offline_planning_of_a_64_rank_mesh_in_one_process(tmp_path):
 def test_cli_plans_an_unmodified_script_and_explains(capsys, tmp_path):
     from autopar.__main__ import main
     main(["plan", "examples/train_gpt.py", "--strategy", "configs/dp.yaml", "--dump-dir",
-          str(tmp_path), "--explain", "grad[blocks.0.fc1.weight]", "--", "--layers", "1"])
+          str(tmp_path), "--explain", "grad[blocks.0.fc1.weight]", "--depth", "2", "--",
+          "--layers", "1"])
     out = capsys.readouterr().out
     assert "mesh: mesh[2](dp)" in out
     assert "all_reduce" in out and "on dp" in out
     assert "explain grad[blocks.0.fc1.weight]" in out and "data_parallel.axis dp" in out
+    assert "the reasons behind it, value by value (2 deep)" in out
     assert list((tmp_path / "rank0").glob("[0-9][0-9]_completion.txt"))
 
 
