@@ -179,9 +179,15 @@ def plan_reshard(shape: Sequence[int], src: DistAttr, dst: DistAttr,
     """The cheapest valid step sequence from ``src`` to ``dst`` (fewest steps on ties).
 
     Dijkstra over placement states; ``naive_plan`` is always one of the paths, so the
-    result never costs more than gathering everything and slicing again.
+    result never costs more than gathering everything and slicing again. Remembered per
+    question: lowering asks it again for every state piece of every process.
     """
-    shape = tuple(shape)
+    return list(_plan_reshard(tuple(shape), src, dst, itemsize))
+
+
+@lru_cache(maxsize=1 << 14)
+def _plan_reshard(shape: tuple[int, ...], src: DistAttr, dst: DistAttr,
+                  itemsize: int) -> tuple[Step, ...]:
     _check(shape, src, dst)
     mesh, goal = src.mesh, dst.placements
     candidates = _candidates(shape, src, dst)
@@ -204,7 +210,7 @@ def plan_reshard(shape: Sequence[int], src: DistAttr, dst: DistAttr,
     while heap:
         cost, n, _, state = heapq.heappop(heap)
         if state == goal:
-            return _path(back, state)
+            return tuple(_path(back, state))
         if (cost, n) > best[state]:
             continue
         for step_cost, step in moves(state):
