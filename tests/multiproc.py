@@ -100,9 +100,16 @@ def run_ranks(scenario: str, world: int, *args: str, timeout: float = 240) -> li
 
 
 def logs(out: Path) -> str:
-    """torchrun's own output and the tail of every worker's."""
+    """torchrun's own output and the tail of every worker's; a long worker log keeps its
+    head too (a native crash writes its cause first, then a long fatal-error report)."""
     parts = [f"--- torchrun ---\n{(out / 'torchrun.log').read_text()[-3000:]}"]
     for path in sorted((out / "logs").rglob("std*.log")):
         parts.append(f"--- worker {path.parent.name} {path.stem} ---\n"
-                     f"{path.read_text()[-3000:]}")
+                     f"{_head_and_tail(path.read_text())}")
     return "\n".join(parts)
+
+
+def _head_and_tail(text: str, head: int = 2000, tail: int = 3000) -> str:
+    if len(text) <= head + tail:
+        return text
+    return f"{text[:head]}\n[... {len(text) - head - tail} characters ...]\n{text[-tail:]}"
