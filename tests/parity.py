@@ -34,9 +34,10 @@ def regression_data(n: int, d_in: int, d_out: int, seed: int = 0):
 
 
 def eager_train(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                data, batch_size: int, steps: int, max_norm: float | None = None,
+                data, batch_size: int | None, steps: int, max_norm: float | None = None,
                 scheduler=None, seed: int = 0) -> list[float]:
-    """The single-device torch loop autopar must reproduce, step for step."""
+    """The single-device torch loop autopar must reproduce, step for step (``batch_size``
+    None: ``data`` holds whole batches, as a ``DataLoader(batch_size=None)`` hands them)."""
     losses = []
     model.train()
     for step, (x, y) in enumerate(DataLoader(data, batch_size=batch_size)):

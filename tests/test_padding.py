@@ -19,6 +19,7 @@ from autopar.passes.refuse_unmasked_padding import PaddingReadError
 from .parity import (  # noqa: F401  (one_thread: a fixture)
     assert_same_losses,
     assert_same_params,
+    eager_train,
     one_thread,
     parity_gpt,
     twin,
@@ -37,23 +38,12 @@ def _batches(lengths, rows=4, seed=0) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def _eager(model, batches, make_opt):
-    opt, losses = make_opt(model), []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _fit(text: str, batches, optim="adamw"):
     make_opt = {"adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
                 "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1)}[optim]
     model = parity_gpt(optim, seq=128)
     ref = twin(model)
-    want = _eager(ref, batches, make_opt)
+    want = eager_train(ref, lm_loss, make_opt(ref), batches, None, len(batches))
     engine = ap.Engine(model, lm_loss, make_opt(model), strategy=ap.Strategy.from_yaml_str(text))
     history = engine.fit(DataLoader(batches, batch_size=None), verbose=0)
     assert_same_losses(history["loss"], want)
@@ -153,7 +143,8 @@ def test_a_plan_runs_batches_of_its_shapes_whatever_their_strides():
     tokens = torch.randint(0, 64, (2, 4, 41), generator=torch.Generator().manual_seed(0))
     batches = [(tokens[0, :, :-1].clone(), tokens[0, :, 1:].clone()),
                (tokens[1, :, :-1], tokens[1, :, 1:])]
-    want = _eager(ref, batches, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    want = eager_train(ref, lm_loss, torch.optim.SGD(ref.parameters(), lr=0.1), batches,
+                       None, len(batches))
     assert_same_losses([engine.train_step(x, y) for x, y in batches], want)
     assert_same_params(model, ref)
 

@@ -19,7 +19,14 @@ from autopar.runtime import FedRows
 from autopar.runtime.job_store import cut_feeds
 
 from .multiproc import run_ranks
-from .parity import assert_same_losses, assert_same_params, one_thread, parity_gpt, twin  # noqa: F401
+from .parity import (  # noqa: F401  (one_thread: a fixture)
+    assert_same_losses,
+    assert_same_params,
+    eager_train,
+    one_thread,
+    parity_gpt,
+    twin,
+)
 from .stream_data import TokenStream, global_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,14 +35,9 @@ DP2 = ("mesh: {shape: [2], dim_names: [dp]}\ndata_parallel: {axis: dp}\n"
 
 
 def _eager(model, batches):
-    opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-3), []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    """Eager AdamW on the stream's global batches, one step each."""
+    return eager_train(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       batches, None, len(batches))
 
 
 def _fit(text: str, stream: TokenStream, batch_size: int):
