@@ -77,6 +77,7 @@ from ..lower.executable import (
     Send,
     StepComm,
 )
+from ..lower.rank_classes import format_ranks
 from ..pipeline.flops import FLOPS
 from ..pipeline.jobs import JobId
 from ..pipeline.phases import Phase
@@ -455,31 +456,36 @@ def contention(processes: int, profile: Profile) -> float:
 
 
 def predict_step(lowered: Lowered, profile: Profile) -> StepTime:
-    """The predicted time of one step of ``lowered`` (every process lowered) on the machine
-    ``profile`` measured."""
-    scale = contention(len(lowered.processes), profile)
+    """The predicted time of one step of ``lowered`` (every process lowered, or one per
+    class of identical ranks: ``Lowered.classes``) on the machine ``profile`` measured."""
+    every = lowered.every_process()
+    scale = contention(len(every), profile)
     if lowered.pipeline is not None:
-        return _predict_pipeline(lowered, profile, scale)
-    return _predict_programs(lowered, profile, scale)
+        return _predict_pipeline(lowered, every, profile, scale)
+    return _predict_programs(lowered, every, profile, scale)
 
 
-def _predict_programs(lowered: Lowered, profile: Profile, scale: float) -> StepTime:
-    times = {}
-    for process, made in lowered.processes.items():
+def _predict_programs(lowered: Lowered, every: dict, profile: Profile, scale: float
+                      ) -> StepTime:
+    walked: dict[int, ProcessTime] = {}         # by the lowered process: once per class
+    for process, made in every.items():
         if not isinstance(made, RankProgram):
             raise TypeError(f"process {process}: a pipeline process in a plan without a "
                             "pipeline")
-        clock = _walk(made.program, made.comms, profile, lowered.mesh, False, scale)
-        times[process] = ProcessTime(clock.compute, clock.now - clock.compute, clock.ops,
-                                     clock.now)
+        if made.process not in walked:
+            clock = _walk(made.program, made.comms, profile, lowered.mesh, False, scale)
+            walked[made.process] = ProcessTime(clock.compute, clock.now - clock.compute,
+                                               clock.ops, clock.now)
+    times = {process: walked[made.process] for process, made in every.items()}
     return StepTime(times, max(t.finish_s for t in times.values()), None, scale)
 
 
-def _predict_pipeline(lowered: Lowered, profile: Profile, scale: float) -> StepTime:
+def _predict_pipeline(lowered: Lowered, every: dict, profile: Profile, scale: float
+                      ) -> StepTime:
     schedule = lowered.schedule
     if schedule is None:
         raise ValueError("a pipelined plan without its schedule: lower it with the schedule")
-    clocks: dict[int, dict[JobId, _Clock]] = {}
+    clocks: dict[int, dict[JobId, _Clock]] = {}       # by the lowered process
     latency = 0.0
     for process, made in lowered.processes.items():
         if not isinstance(made, PipelineProcess):
@@ -517,18 +523,19 @@ def _predict_pipeline(lowered: Lowered, profile: Profile, scale: float) -> StepT
 
     ranks = len(schedule.jobs)
     per_pp = [0] * ranks
-    for made in lowered.processes.values():
+    for made in every.values():
         per_pp[made.pp] += 1
     tail = [duration.get((pp, JobId(Phase.POST)), 0.0)
             + (before(pp) if not schedule.jobs[pp] else 0.0) for pp in range(ranks)]
     sharing = CoreSharing(tuple(per_pp), lambda n: contention(n, profile))
     timeline = play(schedule.jobs, cost, latency, sharing, tail)
-    times = {}
+    walked = {}
     for process, jobs in clocks.items():
         finish = timeline.finish[lowered.processes[process].pp]
         compute = sum(c.compute for c in jobs.values())
         comm = sum(c.now - c.compute for c in jobs.values())
-        times[process] = ProcessTime(compute, comm, sum(c.ops for c in jobs.values()), finish)
+        walked[process] = ProcessTime(compute, comm, sum(c.ops for c in jobs.values()), finish)
+    times = {process: walked[made.process] for process, made in every.items()}
     return StepTime(times, max(t.finish_s for t in times.values()), timeline.bubble(),
                     scale)
 
@@ -536,10 +543,13 @@ def _predict_pipeline(lowered: Lowered, profile: Profile, scale: float) -> StepT
 def format_step_time(step: StepTime) -> str:
     """A table: one row per process, then the step."""
     lines = ["predicted step time (per process: compute, exposed communication, idle, ops)"]
+    rows: dict[str, list[int]] = {}           # ranks with equal rows share one
     for process, t in sorted(step.processes.items()):
-        lines.append(f"  rank {process:>3}  compute {t.compute_s * 1e3:9.3f} ms  comm "
-                     f"{t.comm_s * 1e3:9.3f} ms  idle {t.idle_s * 1e3:9.3f} ms  "
-                     f"{t.ops:6d} ops")
+        rows.setdefault(f"compute {t.compute_s * 1e3:9.3f} ms  comm {t.comm_s * 1e3:9.3f} ms  "
+                        f"idle {t.idle_s * 1e3:9.3f} ms  {t.ops:6d} ops", []).append(process)
+    labels = {row: format_ranks(ranks) for row, ranks in rows.items()}
+    width = max([3] + [len(label) for label in labels.values()])
+    lines += [f"  rank {labels[row]:>{width}}  {row}" for row in rows]
     bubble = f" (pipeline bubble {100 * step.bubble:.1f}%)" if step.bubble is not None else ""
     shared = (f" (compute x{step.contention:.2f} for the cores the processes share)"
               if step.contention != 1.0 else "")

@@ -35,6 +35,7 @@ from ..lower import (
     estimate_memory,
     format_estimates,
     lower_program,
+    lower_representatives,
 )
 from ..passes import pass_manager
 from ..planning import ParallelLayout, PassContext, PlanInputs, PlanState
@@ -256,16 +257,17 @@ class Planner:
         return predict_step(self._every_process(step), profile)
 
     def _every_process(self, step: PlannedStep) -> Lowered:
-        """The step lowered for every process of its mesh (lowering the ones not lowered
-        yet, once per step: the memory estimate and the time prediction share it)."""
+        """The step lowered for every process of its mesh: as planned when every one was
+        lowered, else one process per class of identical ranks (``lower_representatives``),
+        once per step: the memory estimate and the time prediction share it."""
         if step.every_process is not None:
             return step.every_process
         lowered, facts = step.lowered, step.facts
         mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
         every = [0] if mesh is None else sorted(int(p) for p in mesh.process_ids)
         if any(p not in lowered.processes for p in every):
-            lowered = lower_program(step.program, facts.mesh, facts.pipeline, facts.schedule,
-                                    None, None, check=False)
+            lowered = lower_representatives(step.program, facts.mesh, facts.pipeline,
+                                            facts.schedule)
         step.every_process = lowered
         return lowered
 

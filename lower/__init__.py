@@ -6,12 +6,13 @@
     comms          what each comm op runs on a process; the way from a piece to the whole
     job_programs   one pipeline job as a program (the jobs: ``pipeline.jobs``), with its
                    receives, sends and carries
+    rank_classes   which processes lower alike (one lowered per class for the reports)
     executable     the plain data the runtime consumes (RankProgram, PipelineProcess, ...)
 
 The runtime imports only ``executable`` and ``pipeline.jobs`` (types): it never plans.
 """
 from .executable import CompileSpec, Lowered, PipelineProcess, RankProgram, StatePiece
-from .lowering import Dump, LoweringError, lower_program
+from .lowering import Dump, LoweringError, lower_program, lower_representatives
 from .memory_estimate import (
     MemoryEstimate,
     MemoryLimitError,
@@ -19,7 +20,9 @@ from .memory_estimate import (
     estimate_memory,
     format_estimates,
 )
+from .rank_classes import RankClasses, format_ranks, rank_classes
 
 __all__ = ["CompileSpec", "Lowered", "PipelineProcess", "RankProgram", "StatePiece", "Dump",
-           "LoweringError", "lower_program", "MemoryEstimate", "MemoryLimitError",
+           "LoweringError", "lower_program", "lower_representatives", "RankClasses",
+           "rank_classes", "format_ranks", "MemoryEstimate", "MemoryLimitError",
            "check_memory_limit", "estimate_memory", "format_estimates"]

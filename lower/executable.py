@@ -26,6 +26,7 @@ from ..pipeline.jobs import JobId, Message, PipelineJobs, RankJobs
 from ..pipeline.layout import PipelineLayout
 from ..pipeline.schedules import PipelineSchedule
 from ..reshard.steps import Step
+from .rank_classes import RankClasses
 
 __all__ = ["CompileSpec", "StepComm", "BucketStart", "BucketWait", "GatherStart", "GatherWait",
            "ScatterStart", "ScatterWait", "Send", "Recv", "Comm", "StatePiece", "ResultLayout",
@@ -215,6 +216,9 @@ class Lowered:
     accumulating: "Lowered | None" = None
     k_steps: int = 1
     compile: CompileSpec | None = None      # None: the runtime runs the programs uncompiled
+    # a report's lowering (``lower_representatives``): one process per class of identical
+    # ranks was lowered; the classes say whose program every other process runs
+    classes: RankClasses | None = None
 
     def steps_optimizer(self, batch: int) -> bool:
         """Whether the run's ``batch``-th training batch (0-based) steps the optimizer:
@@ -229,6 +233,13 @@ class Lowered:
         """Every lowered process's state pieces (the accumulating program's too)."""
         pieces = [p for made in self.processes.values() for p in made.state.values()]
         return pieces + (self.accumulating.state_pieces() if self.accumulating else [])
+
+    def every_process(self) -> dict[int, RankProgram | PipelineProcess]:
+        """Each process by what it runs: its own lowering, or under ``classes`` its class
+        representative's (the same program but for the pieces held)."""
+        if self.classes is None:
+            return dict(sorted(self.processes.items()))
+        return {p: self.processes[r] for p, r in sorted(self.classes.representative.items())}
 
     def process(self, process: int) -> RankProgram | PipelineProcess:
         if process not in self.processes:

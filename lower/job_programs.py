@@ -1,6 +1,6 @@
-"""One pipeline job as a program: the ops a ``RankJobs`` gives the job, cut from a rank's
-local program (``partition``) for one micro-batch, with explicit IR for everything
-that crosses the job's edge:
+"""One pipeline job as a program: the ops a ``RankJobs`` gives the job, each as a rank runs
+it for one micro-batch (``partition``'s local call and types, made op by op: a job copies
+only its own ops), with explicit IR for everything that crosses the job's edge:
 
     %3: f32[2,16,32] = input '%136'                  # kept by an earlier job of this rank
     %4: f32[2,16,32] = comm.recv() {step='%233 mb0 from rank 1 (B0@s1)'}
@@ -16,48 +16,45 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..ir import Op, OpKind, Program, Role, Slot, Value, verify
+from ..ir import Op, OpKind, Program, Role, Slot, Value
 from ..ir.attrs import COMM_TEXT, LOCAL_NOTE, NAME, SLOTS, Attr
-from ..ir.dist import micro_batch_dim
+from ..ir.dist import ProcessMesh, micro_batch_dim
 from ..ir.kernels.generator_state import RNG_STATE
 from ..ir.ops import draws_random
 from ..pipeline.jobs import MESSAGE, JobId, PipelineJobs, RankJobs
 from ..pipeline.phases import Phase
 from ..reshard.comm import RESHARD_STEP
 from ..reshard.steps import MakePartial, Slice
+from .partition import local_form, local_type
 
 GLOBAL_OP: Attr[Op] = Attr("global_op", Op, "a job's comm op: the global op it was cut from")
 
 
-def local_keys(program: Program, local: Program, names: dict[Value, str]) -> dict[Value, str]:
-    """Each value of ``local`` (a partition of ``program``: same ops, same order) by the
-    name of its global counterpart."""
-    return {lv: names[gv] for global_op, local_op in zip(program.ops, local.ops)
-            for gv, lv in zip(global_op.outputs, local_op.outputs)}
-
-
-def job_program(program: Program, local: Program, keys: dict[Value, str], plan: PipelineJobs,
-                rank: RankJobs, job: JobId) -> Program:
-    """The program of ``job`` on one process of ``rank``; ``local`` is the global ``program``
-    partitioned at that process's coordinate and the job's micro-batch (any micro-batch for
-    a once-a-step job), ``keys`` its values' names (``local_keys``)."""
-    return _JobBuilder(program, local, keys, plan, rank, job).build()
+def job_program(program: Program, mesh: ProcessMesh, coordinate: tuple[int, ...],
+                by_key: dict[str, Value], plan: PipelineJobs, rank: RankJobs, job: JobId
+                ) -> Program:
+    """The program of ``job`` on the process of ``rank`` at ``coordinate`` of the logical
+    ``mesh``, its last entry the job's micro-batch (any for a once-a-step job): its ops of
+    the global ``program`` as that process runs them (``partition``'s local calls and
+    types), cut op by op so no other op is copied. ``by_key``: the global values by name
+    (``plan.names`` turned round)."""
+    return _JobBuilder(program, mesh, coordinate, by_key, plan, rank, job).build()
 
 
 class _JobBuilder:
-    def __init__(self, program: Program, local: Program, keys: dict[Value, str],
-                 plan: PipelineJobs, rank: RankJobs, job: JobId):
-        self.program, self.local, self.keys = program, local, keys
+    def __init__(self, program: Program, mesh: ProcessMesh, coordinate: tuple[int, ...],
+                 by_key: dict[str, Value], plan: PipelineJobs, rank: RankJobs, job: JobId):
+        self.program, self.mesh, self.coordinate = program, mesh, coordinate
+        self.keys, self.by_key_global = plan.names, by_key
         self.plan, self.rank, self.job = plan, rank, job
         self.out = Program()
-        self.local_by_key = {key: v for v, key in keys.items()}
-        self.remap: dict[Value, Value] = {}
+        self.remap: dict[Value, Value] = {}     # global values to the job's
         self.by_key: dict[str, Value] = {}      # new values by key, once made
         self.mb = micro_batch_dim(plan.layout.logical_mesh)
 
     def build(self) -> Program:
+        """The job's program (verified where lowering checks what it made)."""
         indices = self.rank.ops[self.job]
-        ops = [self.local.ops[i] for i in indices]
         self.waiting: dict[int, list] = {}      # by destination: sends in posting order
         for message in self.rank.sent.get(self.job, ()):
             self.waiting.setdefault(message.dst, []).append(message)
@@ -66,31 +63,35 @@ class _JobBuilder:
         recvs = {m.key: m for m in self.rank.received.get(self.job, ())}
         for key, _ in self.rank.carried_in.get(self.job, ()):
             self._carried(key)
-        for i, op in zip(indices, ops):
+        for op in (self.program.ops[i] for i in indices):
             if op.kind is OpKind.OUTPUT:
                 continue
             for v in op.inputs:
                 key = self.keys[v]
                 if key in recvs and key not in self.by_key:
                     self._receive(recvs.pop(key))
-            self._copy(self.program.ops[i], op)
+            self._copy(op)
         for message in recvs.values():     # for the results, or for a later job of this rank
             self._receive(message)
         self._finish()
-        verify(self.out)
         return self.out
+
+    def _local_type(self, op: Op, v: Value):
+        return local_type(op, v, self.mesh, self.coordinate) if v.is_tensor else v.type
 
     # -- values entering the job ---------------------------------------------------------
     def _carried(self, key: str) -> None:
-        v = self.local_by_key[key]
-        op = Op(OpKind.INPUT, "input", outputs=[Value(v.type)], role=Role.COMM,
+        v = self.by_key_global[key]
+        op = Op(OpKind.INPUT, "input", outputs=[Value(self._local_type(v.producer, v))],
+                role=Role.COMM,
                 attrs={NAME: key})
         self._made(self.out.add(op).result, v, key)
         self._send(key, op.result)
 
     def _receive(self, message) -> None:
-        v = self.local_by_key[message.key]
-        op = Op(OpKind.COMM, "comm.recv", (), outputs=[Value(v.type)], role=Role.COMM,
+        v = self.by_key_global[message.key]
+        op = Op(OpKind.COMM, "comm.recv", (), outputs=[Value(self._local_type(v.producer, v))],
+                role=Role.COMM,
                 attrs={COMM_TEXT: f"{message.key}{_mb(message)} from rank {message.src} "
                                f"({message.src_job})", MESSAGE: message})
         self._made(self.out.add(op).result, v, message.key)
@@ -101,17 +102,24 @@ class _JobBuilder:
         self.by_key[key] = new
 
     # -- the job's own ops -----------------------------------------------------------------
-    def _copy(self, global_op: Op, op: Op) -> None:
-        if op.kind is OpKind.CALL and draws_random(global_op):
-            self._restore_rng(global_op)
+    def _copy(self, op: Op) -> None:
+        """``op`` of the global program as this process runs it."""
+        if op.kind is OpKind.CALL and draws_random(op):
+            self._restore_rng(op)
         target, args, kwargs, kind, attrs = op.target, op.args, op.kwargs, op.kind, dict(op.attrs)
+        call = local_form(op, self.mesh, self.coordinate) if kind is OpKind.CALL else None
+        if call is not None:
+            target, args, kwargs = call.target, tuple(call.args), dict(call.kwargs)
+            if call.note:
+                attrs[LOCAL_NOTE] = call.note
         local_step = self._micro_batch_step(op)
         if local_step is not None:
             kind, (target, args, kwargs) = OpKind.CALL, local_step
             attrs = {LOCAL_NOTE: attrs.get(COMM_TEXT, "")}
         if kind is OpKind.COMM:
-            attrs[GLOBAL_OP] = global_op    # collectives are bound from the global op's types
-        new = Op(kind, target, args, dict(kwargs), [Value(v.type) for v in op.outputs],
+            attrs[GLOBAL_OP] = op           # collectives are bound from the global op's types
+        new = Op(kind, target, args, dict(kwargs),
+                 [Value(self._local_type(op, v)) for v in op.outputs],
                  op.role, op.module, None, attrs)
         new.needs = op.needs
         new.map_inputs(self._input)
@@ -197,4 +205,4 @@ def random_ops(program: Program) -> Sequence[Op]:
             if op.kind is OpKind.CALL and op.recomputes is None and draws_random(op)]
 
 
-__all__ = ["job_program", "local_keys", "random_ops", "RNG_STATE", "GLOBAL_OP"]
+__all__ = ["job_program", "random_ops", "RNG_STATE", "GLOBAL_OP"]

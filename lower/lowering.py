@@ -6,9 +6,9 @@
 * a mesh: each process's partition (``partition``: local shapes, local calls), what each of
   its comm ops runs (``comms``), its pieces of the batch and of the state;
 * a pipeline: every pipeline rank's jobs and messages (``pipeline.jobs``), and for each
-  process its jobs as programs (``job_programs``, cut from its partition at each
-  micro-batch), their comm ops, its messages and peers, its micro-batches' pieces of the
-  batch, the random states eager has at each random op, and the state its stages hold.
+  process its jobs as programs (``job_programs``: its ops localized at each micro-batch),
+  their comm ops, its messages and peers, its micro-batches' pieces of the batch, the random
+  states eager has at each random op, and the state its stages hold.
 
 Every program made here is verified (and checked to have a comm spec for each comm op
 and nothing else) and, with a dump target, written to ``rank<r>/<NN>_partition.txt`` or
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ..ir import OpKind, Program, format_program, verify
+from ..ir import OpKind, Program, Value, format_program, verify
 from ..ir.attrs import NAME
 from ..ir.dist import ProcessMesh, local_slices
 from ..ir.ops import draws_random
@@ -42,10 +42,11 @@ from .executable import (
     ResultLayout,
     Send,
 )
-from .job_programs import GLOBAL_OP, job_program, local_keys, random_ops
+from .job_programs import GLOBAL_OP, job_program, random_ops
 from .partition import partition
+from .rank_classes import rank_classes
 
-__all__ = ["Dump", "lower_program", "LoweringError"]
+__all__ = ["Dump", "lower_program", "lower_representatives", "LoweringError"]
 
 
 class LoweringError(RuntimeError):
@@ -95,6 +96,19 @@ def lower_program(program: Program, mesh: ProcessMesh | None,
     return lowered
 
 
+def lower_representatives(program: Program, mesh: ProcessMesh | None,
+                          pipeline: PipelineLayout | None, schedule: PipelineSchedule | None
+                          ) -> Lowered:
+    """Lower one process per class of identical ranks (``rank_classes``), for the reports
+    (memory, time): ``Lowered.every_process`` gives every process its class's program. A
+    1,024-rank dp x pp x tp plan of even cuts lowers one process per pipeline stage."""
+    classes = rank_classes(program, mesh, pipeline)
+    lowered = lower_program(program, mesh, pipeline, schedule, classes.representatives,
+                            check=False)
+    lowered.classes = classes
+    return lowered
+
+
 def _serial(program: Program, random: bool) -> RankProgram:
     """One process runs the program itself (no mesh, or a mesh of one): every state whole."""
     state = {op.attrs[NAME]: dataclasses.replace(state_piece(op, ()), dist=None, gather=())
@@ -132,11 +146,12 @@ def _lower_pipeline(lowered: Lowered, processes: Iterable[int] | None, dump: Dum
     jobs = plan_jobs(program, layout, lowered.schedule)
     lowered.jobs = jobs
     every = sorted(i for ids in layout.stage_ids for i in ids)
+    by_key = {key: v for v, key in jobs.names.items()}
     for process in (every if processes is None else processes):
         place = layout.locate(process)
         if place is None:
             raise LoweringError(f"process {process} is in no stage of the {layout.describe()}")
-        made = _pipeline_process(lowered, jobs, process, *place)
+        made = _pipeline_process(lowered, jobs, by_key, process, *place)
         if check:
             for job in made.programs.values():
                 _check(job.program, job.comms, f"process {process} job {job.job}")
@@ -145,20 +160,16 @@ def _lower_pipeline(lowered: Lowered, processes: Iterable[int] | None, dump: Dum
         lowered.processes[process] = made
 
 
-def _pipeline_process(lowered: Lowered, jobs: PipelineJobs, process: int, pp: int,
-                      coordinate: tuple[int, ...]) -> PipelineProcess:
+def _pipeline_process(lowered: Lowered, jobs: PipelineJobs, by_key: dict[str, Value],
+                      process: int, pp: int, coordinate: tuple[int, ...]) -> PipelineProcess:
     program, layout = lowered.program, lowered.pipeline
     rank = jobs.ranks[pp]
     peers = {p: layout.process(p, coordinate) for p in range(layout.ranks)}
-    partitions: dict[int, tuple[Program, dict]] = {}
     programs = {}
     for job in rank.order:
-        k = max(job.micro_batch, 0)
-        if k not in partitions:
-            local = partition(program, lowered.mesh, coordinate + (k,))
-            partitions[k] = (local, local_keys(program, local, jobs.names))
-        made = job_program(program, *partitions[k], jobs, rank, job)
-        programs[job] = JobProgram(job, made, _job_comms(made, coordinate + (k,), peers))
+        at = coordinate + (max(job.micro_batch, 0),)
+        made = job_program(program, lowered.mesh, at, by_key, jobs, rank, job)
+        programs[job] = JobProgram(job, made, _job_comms(made, at, peers))
     mine = set(rank.stages)
     state, held = {}, set()
     for op in program.ops_of(OpKind.STATE):

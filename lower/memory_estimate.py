@@ -21,6 +21,7 @@ is not counted.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ from ..pipeline.jobs import STEP
 from ..reshard.steps import AllGather
 from .comms import by_gather
 from .executable import Lowered, PipelineProcess, RankProgram
+from .rank_classes import format_ranks
 
 __all__ = ["Holder", "MemoryEstimate", "estimate_memory", "estimate_process", "host_values",
            "MemoryLimitError", "check_memory_limit", "format_estimates", "STATE_CATEGORIES"]
@@ -74,10 +76,11 @@ class MemoryEstimate:
     host: int = 0                    # offloaded state and the step's host copies at their peak
     holders: list[Holder] = field(default_factory=list)    # biggest at the peak, largest first
 
-    def row(self, host: bool = False) -> str:
+    def cells(self, host: bool = False) -> str:
+        """The table's row without the rank."""
         cells = [self.params, self.grads, self.optimizer_state, self.buffers,
                  self.activations, self.comm_buffers, self.peak] + ([self.host] if host else [])
-        return f"{self.process:>4} " + " ".join(f"{_fmt(c):>10}" for c in cells)
+        return " ".join(f"{_fmt(c):>10}" for c in cells)
 
 
 def _fmt(n: int) -> str:
@@ -88,14 +91,20 @@ def _fmt(n: int) -> str:
 
 
 def format_estimates(estimates: dict[int, MemoryEstimate]) -> str:
-    """The per-rank table (``engine.cost``, the ``plan`` CLI, the ``memory`` dump)."""
+    """The per-rank table (``engine.cost``, the ``plan`` CLI, the ``memory`` dump): ranks
+    with equal rows share one, named by their runs (``0-3,8-11``)."""
     host = any(e.host for e in estimates.values())     # a column only where offload is on
-    head = (f"{'rank':>4} " + " ".join(f"{h:>10}" for h in (
+    rows: dict[str, list[int]] = {}
+    for p in sorted(estimates):
+        rows.setdefault(estimates[p].cells(host), []).append(p)
+    labels = {cells: format_ranks(ranks) for cells, ranks in rows.items()}
+    width = max([4] + [len(label) for label in labels.values()])
+    head = (f"{'rank':>{width}} " + " ".join(f"{h:>10}" for h in (
         "params", "grads", "optim", "buffers", "activ", "comm", "peak")
         + (("host",) if host else ())))
     title = "memory per rank (predicted" + ("; the categories and peak: the device's)" if host
                                             else ")") + ":"
-    return "\n".join([title, head] + [estimates[p].row(host) for p in sorted(estimates)])
+    return "\n".join([title, head] + [f"{labels[cells]:>{width}} {cells}" for cells in rows])
 
 
 def value_bytes(v: Value) -> int:
@@ -399,8 +408,12 @@ def _absorb(rank, job, program: Program, carried: frozenset[str], values: dict,
 
 
 def estimate_memory(lowered: Lowered) -> dict[int, MemoryEstimate]:
-    """Every lowered process's estimate, by process id."""
-    return {p: estimate_process(made) for p, made in sorted(lowered.processes.items())}
+    """Every process's estimate, by process id: each lowered process's own, and under
+    ``lowered.classes`` every member's its class representative's."""
+    made = {p: estimate_process(m) for p, m in sorted(lowered.processes.items())}
+    return {p: made[m.process] if p == m.process else dataclasses.replace(made[m.process],
+                                                                          process=p)
+            for p, m in lowered.every_process().items()}
 
 
 def check_memory_limit(estimates: dict[int, MemoryEstimate], limit_gb: float | None,

@@ -23,11 +23,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..ir.attrs import LOCAL_NOTE
-from ..ir.core import OpKind, Program, TensorType
+from ..ir.core import Op, OpKind, Program, TensorType, Value
 from ..ir.dist import ProcessMesh, local_shape
-from ..spmd.local_forms import LocalContext, local_call
+from ..spmd.local_forms import LocalCall, LocalContext, local_call
 
-__all__ = ["partition"]
+__all__ = ["partition", "local_form", "local_type"]
 
 
 def partition(program: Program, mesh: ProcessMesh | None, coordinate: Sequence[int]) -> Program:
@@ -43,23 +43,37 @@ def partition(program: Program, mesh: ProcessMesh | None, coordinate: Sequence[i
     for op in local.ops:
         if op.kind is not OpKind.CALL:
             continue
-        call = local_call(op, LocalContext.of(op, mesh, coordinate))
-        if call.target != op.target or call.args is not op.args or call.kwargs != op.kwargs:
+        call = local_form(op, mesh, coordinate)
+        if call is not None:
             op.target, op.args, op.kwargs = call.target, tuple(call.args), dict(call.kwargs)
             if call.note:
                 op.attrs[LOCAL_NOTE] = call.note
     # 2. localize the types
     for op in local.ops:
         for v in op.outputs:
-            if not v.is_tensor:
-                continue
-            if v.dist is None:
-                raise ValueError(f"partition: {op.target} ({op.module or 'top level'}) has an "
-                                 "unplaced tensor result; run completion first")
-            if v.dist.mesh != mesh:
-                raise ValueError(f"partition: {op.target} is placed on {v.dist.mesh}, the "
-                                 f"program on {mesh}; one mesh per program is supported")
-            shape = local_shape(v.type.shape, mesh, v.dist.placements, coordinate)
-            if shape != tuple(v.type.shape):
-                v.type = TensorType(shape, v.type.dtype)
+            if v.is_tensor:
+                v.type = local_type(op, v, mesh, coordinate)
     return local
+
+
+def local_form(op: Op, mesh: ProcessMesh, coordinate: tuple[int, ...]) -> LocalCall | None:
+    """The call CALL ``op`` (its values' types still global) makes on the rank at
+    ``coordinate``; None: the op's own."""
+    call = local_call(op, LocalContext.of(op, mesh, coordinate))
+    if call.target != op.target or call.args is not op.args or call.kwargs != op.kwargs:
+        return call
+    return None
+
+
+def local_type(op: Op, v: Value, mesh: ProcessMesh, coordinate: tuple[int, ...]
+               ) -> TensorType:
+    """The type of the piece of ``op``'s tensor result ``v`` (global type) the rank at
+    ``coordinate`` holds."""
+    if v.dist is None:
+        raise ValueError(f"partition: {op.target} ({op.module or 'top level'}) has an "
+                         "unplaced tensor result; run completion first")
+    if v.dist.mesh != mesh:
+        raise ValueError(f"partition: {op.target} is placed on {v.dist.mesh}, the "
+                         f"program on {mesh}; one mesh per program is supported")
+    shape = local_shape(v.type.shape, mesh, v.dist.placements, coordinate)
+    return v.type if shape == tuple(v.type.shape) else TensorType(shape, v.type.dtype)

@@ -197,7 +197,7 @@ def test_plan_cli_prints_the_predicted_step_time_next_to_memory(tmp_path):
     assert out.index("memory per rank") < out.index("predicted step time")
     table = out[out.index("predicted step time"):].splitlines()
     rows = [line.split() for line in table if line.strip().startswith("rank ")]
-    assert [r[1] for r in rows] == ["0", "1"]
+    assert [r[1] for r in rows] == ["0-1"]       # the dp replicas: one row
     assert all(float(r[6]) > 0 for r in rows)        # tp communicates on both ranks
     assert f"(from profile {profile})" in out
 
