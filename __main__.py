@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", help="a strategy YAML that replaces the script's own, "
                                          "or a packaged config's name (dp_tp)")
     plan.add_argument("--dump-dir", default="dumps/plan")
+    plan.add_argument("--ranks", type=_ranks, default="classes", metavar="RANKS",
+                      help="whose lowered programs to dump: classes (one rank per class of "
+                           "identical ranks; the default), all, or a list: 0,517")
     plan.add_argument("--locate-divergence", action="store_true",
                       help="run the first training step on the simulator next to one device "
                            "and report the first op that differs")
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         from .engine.offline import plan_script
         print(plan_script(args.script, script_args, args.strategy, args.dump_dir,
                           args.explain, args.locate_divergence, _auto_section(parser, args),
-                          args.write_strategy, args.depth))
+                          args.write_strategy, args.depth, args.ranks))
     elif args.command == "diff":
         run_diff(parser, args)
     elif args.command == "export":
@@ -114,6 +117,20 @@ def main(argv: list[str] | None = None) -> None:
         print(consolidate_model(args.checkpoint, args.out))
     elif args.command == "calibrate":
         run_calibrate(args)
+
+
+def _ranks(text: str) -> object:
+    """``plan --ranks``: ``classes``, ``all`` or ranks separated by commas."""
+    if text in ("classes", "all"):
+        return text
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give classes, all, or ranks such as 0,517") from None
+    if any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct ranks from 0, such as 0,517")
+    return ranks
 
 
 def _auto_section(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:

@@ -68,11 +68,11 @@ def _on_nodes(profile: Profile, nodes: int, devices: int) -> tuple[Profile, str]
 
 def plan_and_predict(loss: Callable | None, inputs: Any, labels: Any, profile: Profile
                      ) -> Callable[[torch.nn.Module, torch.optim.Optimizer, Strategy], Measured]:
-    """The planning of one candidate: a training step for every rank, predicted."""
+    """The planning of one candidate: a training step, predicted for every rank (lowering
+    one per class of identical ranks)."""
     def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              strategy: Strategy) -> Measured:
-        planner = Planner(model, loss, optimizer, strategy, ParallelLayout.of(strategy),
-                          every=True)
+        planner = Planner(model, loss, optimizer, strategy, ParallelLayout.of(strategy))
         step = planner.plan("train", inputs, labels)
         timed = planner.time(step, profile)
         slowest = max(timed.processes.values(), key=lambda t: t.finish_s)

@@ -106,6 +106,10 @@ class Engine:
             strategy = with_auto(strategy or Strategy(), offline.auto,
                                  keep_layout=offline.strategy is not None)
         self.strategy = strategy if strategy is not None else Strategy()
+        if offline is not None:     # ``plan --ranks``: whose lowered programs are dumped
+            self.strategy = self.strategy.model_copy(update={"debug": type(
+                self.strategy.debug).model_validate({**self.strategy.debug.model_dump(),
+                                                     "dump_ranks": offline.dump_ranks})})
         self._resize()
         self.strategy.check_supported(pass_manager().sections | RUNTIME_SECTIONS
                                       | ENGINE_SECTIONS)
@@ -185,7 +189,7 @@ class Engine:
         return Planner(self.model, self.loss, self.optimizer, self.strategy, layout,
                        dump_dir=self.dump_dir,
                        process=self.launch.rank if self.distributed else None,
-                       every=self.strategy.debug.simulate or self.launch.offline is not None)
+                       every=self.strategy.debug.simulate)
 
     def _resize(self) -> None:
         """An elastic restart on another world size: the strategy for the world launched

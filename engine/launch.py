@@ -25,6 +25,7 @@ PLAN_DEPTH_ENV = "AUTOPAR_PLAN_EXPLAIN_DEPTH"   # how deep each explanation's ch
 PLAN_LOCATE_ENV = "AUTOPAR_PLAN_LOCATE"      # "1": also locate the first divergence
 PLAN_AUTO_ENV = "AUTOPAR_PLAN_AUTO"          # JSON auto section: let the planner choose
 PLAN_WRITE_ENV = "AUTOPAR_PLAN_WRITE_STRATEGY"   # write the planned strategy's YAML here
+PLAN_RANKS_ENV = "AUTOPAR_PLAN_RANKS"        # JSON debug.dump_ranks: whose programs to dump
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class OfflinePlanning:
     auto: dict | None = None              # ``--auto``: the auto section to plan with
     write_strategy: str | None = None     # ``--write-strategy``: where the chosen YAML goes
     explain_depth: int = 0                # ``--depth``: the chain of reasons under each answer
+    dump_ranks: object = "classes"        # ``--ranks``: whose lowered programs are dumped
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class Launch:
                                       environ.get(PLAN_LOCATE_ENV) == "1",
                                       json.loads(environ.get(PLAN_AUTO_ENV) or "null"),
                                       environ.get(PLAN_WRITE_ENV) or None,
-                                      int(environ.get(PLAN_DEPTH_ENV) or "0"))
+                                      int(environ.get(PLAN_DEPTH_ENV) or "0"),
+                                      json.loads(environ.get(PLAN_RANKS_ENV) or '"classes"'))
         return cls(int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1")),
                    environ.get(DUMP_DIR_ENV) or None, offline,
                    int(environ.get("LOCAL_RANK", environ.get("RANK", "0"))),

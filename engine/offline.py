@@ -22,13 +22,14 @@ from typing import NoReturn
 
 from ..auto import compact_yaml, format_auto_plan
 from ..cost import Profile, ProfileNotFound, default_profile, default_profile_path, format_step_time
-from ..lower import format_estimates
+from ..lower import format_estimates, format_ranks, rank_classes
 from ..strategy import DUMP_DIR_ENV
 from .launch import (
     PLAN_AUTO_ENV,
     PLAN_DEPTH_ENV,
     PLAN_EXPLAIN_ENV,
     PLAN_LOCATE_ENV,
+    PLAN_RANKS_ENV,
     PLAN_REPORT_ENV,
     PLAN_STRATEGY_ENV,
     PLAN_WRITE_ENV,
@@ -45,18 +46,20 @@ _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MA
 def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
                 dump_dir: str, explain: list[str], locate_divergence: bool = False,
                 auto: dict | None = None, write_strategy: str | None = None,
-                explain_depth: int = 0) -> str:
+                explain_depth: int = 0, ranks: object = "classes") -> str:
     """Run ``script`` until its first step is planned; return the report of the plan.
     ``auto``: an ``auto`` section (``devices``, ``memory_limit_gb``, ...): the planner
     chooses the strategy (the script's layout dropped; ``strategy_yaml``'s kept as
     constraints) and ``write_strategy`` receives the chosen one's YAML. ``explain_depth``:
-    the chain of reasons under each explanation (0: the short answer only)."""
+    the chain of reasons under each explanation (0: the short answer only). ``ranks``: whose
+    lowered programs are dumped (``debug.dump_ranks``: ``classes``, one per class of
+    identical ranks, by default; ``all``; a list)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "plan.txt"
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
         env.update({PLAN_REPORT_ENV: str(report), DUMP_DIR_ENV: str(Path(dump_dir).resolve()),
                     PLAN_EXPLAIN_ENV: json.dumps(list(explain)),
-                    PLAN_DEPTH_ENV: str(explain_depth)})
+                    PLAN_DEPTH_ENV: str(explain_depth), PLAN_RANKS_ENV: json.dumps(ranks)})
         if strategy_yaml:
             # a file, made absolute for the script's own working directory; otherwise a
             # packaged config's name (Strategy.from_yaml("dp_tp")), passed as it is
@@ -98,6 +101,26 @@ def _time_report(engine, step) -> str:
     return f"{format_step_time(engine.planner.time(step, profile))}\n  (from {source})"
 
 
+def _lowered_dumps(engine, step, shown: int = 8) -> str:
+    """Where each process's lowered program went (``debug.dump_ranks``), and under
+    ``classes`` which ranks each dumped one stands for."""
+    asked, where = engine.strategy.debug.dump_ranks, engine.dump_dir
+    if asked == "all":
+        return f"lowered programs: {where}/rank<r>/ for every rank"
+    if asked != "classes":
+        return (f"lowered programs: {', '.join(f'rank{r}/' for r in asked)} in {where} "
+                "(--ranks)")
+    classes = rank_classes(step.program, step.facts.mesh, step.facts.pipeline)
+    lines = [f"lowered programs: {where}/rank<r>/ for one rank per class ({classes.describe()}; "
+             "--ranks 0,517 or --ranks all for others):"]
+    reps = classes.representatives
+    lines += [f"  rank{r}/ stands for ranks {format_ranks(classes.members(r))}"
+              for r in reps[:shown]]
+    if len(reps) > shown:
+        lines.append(f"  ... and {len(reps) - shown} more classes")
+    return "\n".join(lines)
+
+
 def _page(mode: str) -> str:
     """The html page's name for the first planned step of ``mode`` (the pass manager's
     dump prefix: none for training)."""
@@ -119,7 +142,8 @@ def finish_offline_plan(engine, mode: str, offline: OfflinePlanning, inputs,
         lines.append(f"strategy written to {offline.write_strategy}\n")
     lines += [engine.summary(mode), format_estimates(engine.planner.memory(step)),
              _time_report(engine, step),
-             f"dumps: {engine.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)"]
+             f"dumps: {engine.dump_dir}/rank0/ (one file per pass; *.explain.txt says why)",
+             _lowered_dumps(engine, step)]
     if "html" in engine.strategy.debug.dump_format:
         lines.append(f"the plan on one page: {engine.dump_dir}/rank0/{_page(mode)}")
     lines += [f"\nexplain {what}:\n{engine.explain(what, mode, offline.explain_depth)}"

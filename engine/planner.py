@@ -36,6 +36,7 @@ from ..lower import (
     format_estimates,
     lower_program,
     lower_representatives,
+    rank_classes,
 )
 from ..passes import pass_manager
 from ..planning import ParallelLayout, PassContext, PlanInputs, PlanState
@@ -109,10 +110,11 @@ class PlannedStep:
 class Planner:
     """Plans the steps of one model, loss and optimizer under one strategy.
 
-    Which processes are lowered: ``process`` only, on real processes; every one when
-    ``every`` (simulating, planning offline) or when dumping; a one-process plan's; else none
-    (a plan for several processes made in one that neither simulates nor dumps is only
-    inspected: nothing here can run it)."""
+    Which processes are lowered when planning: ``process`` only, on real processes; every
+    one when ``every`` (simulating: it runs them all) and a one-process plan's; else the ones
+    whose dumps are asked for (``debug.dump_ranks``), or none (a plan for several processes
+    made in one that does not simulate is only inspected: nothing here can run it). The
+    reports (``memory``, ``time``) lower one process per class of identical ranks."""
 
     def __init__(self, model: torch.nn.Module, loss: Callable | None,
                  optimizer: torch.optim.Optimizer | None, strategy: Strategy,
@@ -182,7 +184,8 @@ class Planner:
             estimates = self.memory(step)
             if dump is not None:
                 for process, est in estimates.items():
-                    dump.write(process, "memory", format_estimates({process: est}) + "\n")
+                    if dump.wants(process):
+                        dump.write(process, "memory", format_estimates({process: est}) + "\n")
             check_memory_limit(estimates, self.strategy.memory_limit_gb,
                                f"planning the {mode} step on {facts.mesh or 'one process'} "
                                f"({self._sharding_text()})")
@@ -198,9 +201,10 @@ class Planner:
         program = manager.run(captured, ctx)
         facts = ctx.state
         dump = None if self.dump_dir is None else Dump(
-            self.dump_dir, ctx.inputs.dump_prefix, len(manager.passes) + 1)
+            self.dump_dir, ctx.inputs.dump_prefix, len(manager.passes) + 1,
+            self._dump_ranks(program, facts))
         lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
-                                self._processes(facts), dump,
+                                self._processes(facts, dump), dump,
                                 check=self.strategy.debug.verify, compile=self._compile(dump))
         return program, facts, dict(manager.timings), lowered, dump
 
@@ -271,13 +275,34 @@ class Planner:
         step.every_process = lowered
         return lowered
 
-    def _processes(self, facts: PlanState) -> list[int] | None:
+    def _processes(self, facts: PlanState, dump: Dump | None) -> list[int] | None:
+        """The processes lowered at plan time (None: every one): this one's own on a real
+        process; every one when simulating (it runs them) or for a one-process plan;
+        otherwise the ones whose dumps are asked for (``debug.dump_ranks``), or none."""
         if self.process is not None:
             return [self.process]
         mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
-        if self.every or self.dump_dir is not None or mesh is None or mesh.size == 1:
+        if self.every or mesh is None or mesh.size == 1:
             return None
-        return []
+        if dump is None:
+            return []
+        return None if dump.ranks is None else sorted(dump.ranks)
+
+    def _dump_ranks(self, program: Program, facts: PlanState) -> frozenset[int] | None:
+        """``debug.dump_ranks`` as processes (None: all), checked against the mesh."""
+        asked = self.strategy.debug.dump_ranks
+        if asked == "all":
+            return None
+        if asked == "classes":
+            return frozenset(rank_classes(program, facts.mesh, facts.pipeline).representatives)
+        mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
+        every = {0} if mesh is None else {int(p) for p in mesh.process_ids}
+        missing = sorted(set(asked) - every)
+        if missing:
+            raise ValueError(f"debug.dump_ranks {list(asked)}: ranks {missing} are not on "
+                             f"{mesh or 'the one process of a serial plan'} "
+                             f"({len(every)} processes)")
+        return frozenset(asked)
 
     def _micro_batches(self, mode: str, inputs: Any) -> int | None:
         """How many micro-batches a pipelined program of this batch uses: the strategy's for

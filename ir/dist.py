@@ -219,6 +219,8 @@ class ProcessMesh:
         return f"mesh[{','.join(map(str, self._shape))}]({','.join(self._dim_names)})"
 
     def __str__(self) -> str:
+        if self.size > 64 and self._ids == tuple(range(self.size)):   # a message, not a wall
+            return f"{self._head()}=[0..{self.size - 1} in order]"
         return f"{self._head()}={_nested_str(np.array(self._ids).reshape(self._shape))}"
 
     def short(self) -> str:

@@ -55,11 +55,16 @@ class LoweringError(RuntimeError):
 
 @dataclass(frozen=True)
 class Dump:
-    """Where lowering writes what it made: ``<dir>/rank<r>/<prefix><NN>_<what>.txt``."""
+    """Where lowering writes what it made: ``<dir>/rank<r>/<prefix><NN>_<what>.txt``, for
+    the processes in ``ranks`` (None: every one lowered)."""
 
     dir: str
     prefix: str          # "" for training, "eval_" / "predict_" otherwise
     number: int          # after the last pass's
+    ranks: frozenset[int] | None = None
+
+    def wants(self, process: int) -> bool:
+        return self.ranks is None or process in self.ranks
 
     def write(self, process: int, what: str, text: str) -> Path:
         path = Path(self.dir) / f"rank{process}" / f"{self.prefix}{self.number:02d}_{what}.txt"
@@ -90,7 +95,7 @@ def lower_program(program: Program, mesh: ProcessMesh | None,
             rank = _rank_program(program, mesh, process, random)
             if check:
                 _check(rank.program, rank.comms, f"process {process}")
-            if dump is not None:
+            if dump is not None and dump.wants(process):
                 dump.write(process, "partition", format_program(rank.program))
             lowered.processes[process] = rank
     return lowered
@@ -155,7 +160,7 @@ def _lower_pipeline(lowered: Lowered, processes: Iterable[int] | None, dump: Dum
         if check:
             for job in made.programs.values():
                 _check(job.program, job.comms, f"process {process} job {job.job}")
-        if dump is not None:
+        if dump is not None and dump.wants(process):
             dump.write(process, "jobs", _format_jobs(layout, made))
         lowered.processes[process] = made
 

@@ -589,6 +589,11 @@ class DebugConfig(Section):
     graph, ``NN_<pass>.dot``, values coloured by placement, collectives marked) and ``html``
     (one self-contained page per plan, ``<prefix>plan.html``: every pass, its program, its
     collectives and what it changed). Any combination; a single name is a list of one.
+    ``dump_ranks`` says whose lowered programs are written (``rank<r>/NN_partition.txt`` or
+    ``NN_jobs.txt``, and ``NN_memory.txt``): ``all`` (every process lowered; the default),
+    ``classes`` (one process per class of identical ranks: every distinct program once) or
+    a list of ranks (``[0, 517]``). Planning in one process without simulating lowers only
+    those.
     These never change what is computed, so the section is never "enabled" as a feature.
     """
 
@@ -596,6 +601,8 @@ class DebugConfig(Section):
     DUMP_FORMATS: ClassVar[tuple[str, ...]] = ("text", "dot", "html")
     dump_dir: Annotated[str, Field(strict=True, min_length=1)] | None = None
     dump_format: tuple[Literal["text", "dot", "html"], ...] = ("text",)
+    dump_ranks: Literal["all", "classes"] | tuple[Annotated[int, Field(strict=True, ge=0)],
+                                                  ...] = "all"
     verify: StrictBool = True
     strict_rules: StrictBool = False
     simulate: StrictBool = False
@@ -620,6 +627,20 @@ class DebugConfig(Section):
         if len(set(names)) != len(names):
             raise ValueError(f"debug.dump_format {list(names)}: a format is named twice")
         return tuple(names)
+
+    @field_validator("dump_ranks", mode="before")
+    @classmethod
+    def _rank_list(cls, value: Any) -> Any:
+        """``all``, ``classes`` or a non-empty list of distinct ranks (one rank: a list of
+        one)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return (value,)
+        if isinstance(value, (list, tuple)):
+            if not value or len(set(value)) != len(value):
+                raise ValueError(f"debug.dump_ranks {list(value)}: give distinct ranks, e.g. "
+                                 "[0, 517], or all, or classes")
+            return tuple(value)
+        return value
 
     @property
     def is_enabled(self) -> bool:
