@@ -138,7 +138,8 @@ def base_layouts(auto: AutoConfig, fixed: Constraints, rows: int) -> tuple[list[
                            f"{auto.nodes} nodes: {per_node} per node)")
             continue
         if rows % dp:
-            skipped.append(f"dp{dp}: the batch of {rows} rows does not split into {dp}")
+            skipped.append(f"{_degrees(dp, tp, pp)}: the batch of {rows} rows does not split "
+                           f"into {dp}")
             continue
         for mb in _micro_batches(auto, fixed, pp, rows // dp):
             layouts.append(Layout(dp, tp, pp, fixed.zero or 0, mb, bool(fixed.recompute)))
@@ -146,6 +147,12 @@ def base_layouts(auto: AutoConfig, fixed: Constraints, rows: int) -> tuple[list[
             skipped.append(f"dp{dp} x pp{pp}: {rows // dp} rows per replica split into no "
                            "micro-batch count the schedule can use")
     return layouts, skipped
+
+
+def _degrees(dp: int, tp: int, pp: int) -> str:
+    """``dp512 x pp2``: the degrees above 1 (``dp1`` when none is)."""
+    named = [f"{axis}{n}" for axis, n in (("dp", dp), ("tp", tp), ("pp", pp)) if n > 1]
+    return " x ".join(named) or "dp1"
 
 
 def _micro_batches(auto: AutoConfig, fixed: Constraints, pp: int, rows: int) -> list[int]:

@@ -61,7 +61,7 @@ from typing import Callable, Sequence
 
 from ..ir import Op, OpKind, Program
 from ..ir.core import TensorType
-from ..ir.dist import ProcessMesh
+from ..ir.dist import ProcessMesh, format_ranks
 from ..lower.executable import (
     BucketStart,
     BucketWait,
@@ -77,7 +77,6 @@ from ..lower.executable import (
     Send,
     StepComm,
 )
-from ..lower.rank_classes import format_ranks
 from ..pipeline.flops import FLOPS
 from ..pipeline.jobs import JobId
 from ..pipeline.phases import Phase
@@ -443,7 +442,10 @@ def profile_cpus(profile: Profile) -> int | None:
 def contention(processes: int, profile: Profile) -> float:
     """How much slower each process of a ``processes``-process plan runs than the profile's
     measurement did, from the cores they time-share (1 when the profile names no core
-    count)."""
+    count): a launch over several machines (``devices_per_node``) shares each machine's
+    cores among its own processes only."""
+    if profile.devices_per_node:
+        processes = min(processes, profile.devices_per_node)
     if profile.slowdown:
         return profile.contention(processes)
     cpus = profile_cpus(profile)

@@ -22,7 +22,7 @@ from typing import NoReturn
 
 from ..auto import compact_yaml, format_auto_plan
 from ..cost import Profile, ProfileNotFound, default_profile, default_profile_path, format_step_time
-from ..lower import format_estimates, format_ranks, rank_classes
+from ..lower import classify_ranks, format_estimates, format_ranks
 from ..strategy import DUMP_DIR_ENV
 from .launch import (
     PLAN_AUTO_ENV,
@@ -110,7 +110,7 @@ def _lowered_dumps(engine, step, shown: int = 8) -> str:
     if asked != "classes":
         return (f"lowered programs: {', '.join(f'rank{r}/' for r in asked)} in {where} "
                 "(--ranks)")
-    classes = rank_classes(step.program, step.facts.mesh, step.facts.pipeline)
+    classes = classify_ranks(step.program, step.facts.mesh, step.facts.pipeline)
     lines = [f"lowered programs: {where}/rank<r>/ for one rank per class ({classes.describe()}; "
              "--ranks 0,517 or --ranks all for others):"]
     reps = classes.representatives

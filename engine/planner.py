@@ -32,11 +32,11 @@ from ..lower import (
     Lowered,
     MemoryEstimate,
     check_memory_limit,
+    classify_ranks,
     estimate_memory,
     format_estimates,
     lower_program,
     lower_representatives,
-    rank_classes,
 )
 from ..passes import pass_manager
 from ..planning import ParallelLayout, PassContext, PlanInputs, PlanState
@@ -294,7 +294,7 @@ class Planner:
         if asked == "all":
             return None
         if asked == "classes":
-            return frozenset(rank_classes(program, facts.mesh, facts.pipeline).representatives)
+            return frozenset(classify_ranks(program, facts.mesh, facts.pipeline).representatives)
         mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
         every = {0} if mesh is None else {int(p) for p in mesh.process_ids}
         missing = sorted(set(asked) - every)

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "ProcessMesh", "MICRO_BATCH_DIM", "micro_batch_dim", "Placement", "Shard", "Replicate",
+    "ProcessMesh", "format_ranks", "MICRO_BATCH_DIM", "micro_batch_dim", "Placement", "Shard",
+    "Replicate",
     "Partial", "PARTIAL_OPS", "norm_partial", "norm_order", "reduce_terms", "keeps_partial_value",
     "DistAttr", "local_size", "local_offset", "local_shape",
     "local_offsets", "local_slices", "local_runs", "is_grouped", "chunk_grouped", "cat_grouped",
@@ -230,6 +231,17 @@ class ProcessMesh:
 
     def __repr__(self) -> str:
         return f"ProcessMesh({self.tolist()}, dim_names={list(self._dim_names)})"
+
+
+def format_ranks(processes: Iterable[int]) -> str:
+    """Processes as runs: ``0-3,8-11``."""
+    runs: list[list[int]] = []
+    for p in sorted(processes):
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _validate_mesh(arr: np.ndarray, names: tuple[str, ...], text: str) -> None:

@@ -11,6 +11,7 @@
 
 The runtime imports only ``executable`` and ``pipeline.jobs`` (types): it never plans.
 """
+from ..ir.dist import format_ranks
 from .executable import CompileSpec, Lowered, PipelineProcess, RankProgram, StatePiece
 from .lowering import Dump, LoweringError, lower_program, lower_representatives
 from .memory_estimate import (
@@ -20,9 +21,9 @@ from .memory_estimate import (
     estimate_memory,
     format_estimates,
 )
-from .rank_classes import RankClasses, format_ranks, rank_classes
+from .rank_classes import RankClasses, classify_ranks
 
 __all__ = ["CompileSpec", "Lowered", "PipelineProcess", "RankProgram", "StatePiece", "Dump",
            "LoweringError", "lower_program", "lower_representatives", "RankClasses",
-           "rank_classes", "format_ranks", "MemoryEstimate", "MemoryLimitError",
+           "classify_ranks", "format_ranks", "MemoryEstimate", "MemoryLimitError",
            "check_memory_limit", "estimate_memory", "format_estimates"]

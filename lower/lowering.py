@@ -44,7 +44,7 @@ from .executable import (
 )
 from .job_programs import GLOBAL_OP, job_program, random_ops
 from .partition import partition
-from .rank_classes import rank_classes
+from .rank_classes import classify_ranks
 
 __all__ = ["Dump", "lower_program", "lower_representatives", "LoweringError"]
 
@@ -104,10 +104,10 @@ def lower_program(program: Program, mesh: ProcessMesh | None,
 def lower_representatives(program: Program, mesh: ProcessMesh | None,
                           pipeline: PipelineLayout | None, schedule: PipelineSchedule | None
                           ) -> Lowered:
-    """Lower one process per class of identical ranks (``rank_classes``), for the reports
+    """Lower one process per class of identical ranks (``classify_ranks``), for the reports
     (memory, time): ``Lowered.every_process`` gives every process its class's program. A
     1,024-rank dp x pp x tp plan of even cuts lowers one process per pipeline stage."""
-    classes = rank_classes(program, mesh, pipeline)
+    classes = classify_ranks(program, mesh, pipeline)
     lowered = lower_program(program, mesh, pipeline, schedule, classes.representatives,
                             check=False)
     lowered.classes = classes

@@ -28,6 +28,7 @@ import torch
 
 from ..ir import OpKind, Program, Value
 from ..ir.attrs import NAME, ON_HOST, STATE, StateKind
+from ..ir.dist import format_ranks
 from ..ir.kernels.offload import before_copies
 from ..ir.ops import op_info
 from ..ir.printer import value_names
@@ -35,7 +36,6 @@ from ..pipeline.jobs import STEP
 from ..reshard.steps import AllGather
 from .comms import by_gather
 from .executable import Lowered, PipelineProcess, RankProgram
-from .rank_classes import format_ranks
 
 __all__ = ["Holder", "MemoryEstimate", "estimate_memory", "estimate_process", "host_values",
            "MemoryLimitError", "check_memory_limit", "format_estimates", "STATE_CATEGORIES"]

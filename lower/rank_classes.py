@@ -29,7 +29,7 @@ from ..ir import Program
 from ..ir.dist import DistAttr, ProcessMesh, Shard, group_widths, local_shape
 from ..pipeline.layout import PipelineLayout
 
-__all__ = ["RankClasses", "rank_classes", "format_ranks"]
+__all__ = ["RankClasses", "classify_ranks"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class RankClasses:
                 f"programs ({dims})")
 
 
-def rank_classes(program: Program, mesh: ProcessMesh | None,
+def classify_ranks(program: Program, mesh: ProcessMesh | None,
                  pipeline: PipelineLayout | None) -> RankClasses:
     """The classes of ``program``'s processes (``mesh``: the program's mesh, a pipeline's
     logical mesh; None: serial, one process)."""
@@ -130,13 +130,3 @@ def _even(shape: tuple[int, ...], d: int, cutting: list[int], dist: DistAttr,
     return len(sizes) == 1
 
 
-
-def format_ranks(processes: Sequence[int]) -> str:
-    """Processes as runs: ``0-3,8-11``."""
-    runs: list[list[int]] = []
-    for p in sorted(processes):
-        if runs and p == runs[-1][1] + 1:
-            runs[-1][1] = p
-        else:
-            runs.append([p, p])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..ir.dist import MICRO_BATCH_DIM, DistAttr, ProcessMesh, Replicate
+from ..ir.dist import MICRO_BATCH_DIM, DistAttr, ProcessMesh, Replicate, format_ranks
 
 __all__ = ["PipelineLayout"]
 
@@ -180,5 +180,5 @@ class PipelineLayout:
                 f"{self.schedule}; {self._describe()}")
 
     def _describe(self) -> str:
-        return "; ".join(f"stage rank {i}: processes {list(ids)}"
+        return "; ".join(f"stage rank {i}: processes {format_ranks(ids)}"
                          for i, ids in enumerate(self.stage_ids))

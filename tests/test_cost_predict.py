@@ -217,3 +217,14 @@ def test_collectives_across_machines_are_priced_on_their_own_fits():
     tp_across = predict_tiny_gpt(flipped, slow)
     assert two.step_s > one.step_s                    # dp's gradient sums cross machines
     assert tp_across.step_s > two.step_s              # every layer's all-reduce crosses them
+
+
+def test_processes_share_only_their_own_machines_cores():
+    """A 1,024-process plan over machines of 8 slows compute as 8 processes on one machine
+    do, not as 1,024 time-sharing the profile's cores."""
+    from autopar.cost.predict import contention
+    measured = PROFILE.model_copy(update={"slowdown": {1: 1.0, 2: 1.1, 4: 2.0}})
+    assert contention(1024, measured) == pytest.approx(2.0 * 1024 / 4)
+    on_nodes = measured.model_copy(update={"devices_per_node": 4})
+    assert contention(1024, on_nodes) == contention(4, measured) == 2.0
+    assert contention(2, on_nodes) == 1.1

@@ -14,11 +14,11 @@ from autopar.cost import Profile, predict_step
 from autopar.ir import format_program
 from autopar.ir.dist import local_shape
 from autopar.lower import (
+    classify_ranks,
     estimate_memory,
     format_ranks,
     lower_program,
     lower_representatives,
-    rank_classes,
 )
 from autopar.lower.executable import PipelineProcess, RankProgram
 from autopar.models import GPT, GPTConfig
@@ -125,7 +125,7 @@ def test_every_member_of_a_class_lowers_as_its_representative(case):
     step = make(strategy)
     facts = step.facts
     every = lower_program(step.program, facts.mesh, facts.pipeline, facts.schedule)
-    classes = rank_classes(step.program, facts.mesh, facts.pipeline)
+    classes = classify_ranks(step.program, facts.mesh, facts.pipeline)
     assert classes.distinguishing == distinguishing, classes.describe()
     assert sorted(classes.representative) == sorted(every.processes)
     profile = Profile.reference()
@@ -157,7 +157,7 @@ def test_classes_without_offsets_share_the_program_text():
     every = lower_program(step.program, step.facts.mesh, None, None)
     texts = {format_program(m.program) for m in every.processes.values()}
     assert len(texts) == 1
-    assert len(rank_classes(step.program, step.facts.mesh, None)) == 1
+    assert len(classify_ranks(step.program, step.facts.mesh, None)) == 1
 
 
 def test_offsets_differ_inside_a_class():
@@ -169,9 +169,71 @@ def test_offsets_differ_inside_a_class():
     texts = [format_program(every.processes[p].program) for p in range(4)]
     assert texts[0] != texts[1]                  # tp rank 1 holds vocab rows from 32
     assert "vocab rows from 32" in texts[1]
-    assert len(rank_classes(step.program, step.facts.mesh, None)) == 1
+    assert len(classify_ranks(step.program, step.facts.mesh, None)) == 1
 
 
 def test_format_ranks():
     assert format_ranks([0, 1, 2, 3, 8, 9, 11]) == "0-3,8-9,11"
     assert format_ranks([5]) == "5"
+
+
+def _dumped(tmp_path, kind: str = "partition") -> list[str]:
+    return sorted(d.name for d in tmp_path.glob("rank*")
+                  if list(d.glob(f"[0-9][0-9]_{kind}.txt")))
+
+
+def test_dump_ranks_chooses_whose_programs_are_written(tmp_path):
+    """Simulating lowers every process (it runs them) and dumps only ``dump_ranks``."""
+    make, strategy, _ = CASES["mlp dp2 x tp2"]
+    make({**strategy, "debug": {"simulate": True, "dump_dir": str(tmp_path),
+                                "dump_ranks": [1, 3]}})
+    assert _dumped(tmp_path) == ["rank1", "rank3"]
+    assert _dumped(tmp_path, "memory") == ["rank1", "rank3"]
+
+
+def test_dump_ranks_classes_and_a_rank_off_the_mesh(tmp_path):
+    make, strategy, _ = CASES["gpt pp2 x dp2 x tp2 1F1B"]
+    make({**strategy, "debug": {"dump_dir": str(tmp_path / "a"), "dump_ranks": "classes"}})
+    assert _dumped(tmp_path / "a", "jobs") == ["rank0", "rank4"]      # one per pp position
+    with pytest.raises(ValueError, match=r"ranks \[8\] are not on mesh\[2,2,2\]"):
+        make({**strategy, "debug": {"dump_dir": str(tmp_path / "b"), "dump_ranks": [0, 8]}})
+
+
+def test_plan_cli_dumps_one_rank_per_class_unless_told(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch, autopar as ap
+        from autopar.models import GPT, GPTConfig
+        from autopar.models.gpt import lm_loss
+        model = GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+        engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()),
+                           strategy=ap.Strategy.from_yaml("dp_tp"))
+        x = torch.randint(0, 32, (4, 8))
+        engine.fit([(a, a) for a in x], batch_size=4, verbose=0)
+    """))
+
+    def plan(*extra):
+        done = subprocess.run([sys.executable, "-m", "autopar", "plan", str(script), *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    out = plan("--dump-dir", str(tmp_path / "a"))
+    assert "rank0/ stands for ranks 0-3" in out
+    assert _dumped(tmp_path / "a") == ["rank0"]
+    out = plan("--dump-dir", str(tmp_path / "b"), "--ranks", "1,3")
+    assert "rank1/, rank3/" in out and _dumped(tmp_path / "b") == ["rank1", "rank3"]
+    out = plan("--dump-dir", str(tmp_path / "c"), "--ranks", "all")
+    assert _dumped(tmp_path / "c") == ["rank0", "rank1", "rank2", "rank3"]
+
+
+def test_plan_cli_refuses_a_bad_rank_list():
+    from autopar.__main__ import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["plan", "t.py", "--ranks", "0,517"]).ranks == [0, 517]
+    assert parser.parse_args(["plan", "t.py"]).ranks == "classes"
+    for bad in ("0,0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["plan", "t.py", "--ranks", bad])
