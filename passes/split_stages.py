@@ -12,8 +12,11 @@ The forward is cut, in program order, at the op where each stage begins:
 * layers annotated on several meshes (semi-auto) — where the forward first uses the next
   stage's mesh.
 
-The loss runs on the last stage; a backward op runs on the stage of the forward op it
-differentiates. Every other op (comm, optimizer, state, gradient sums) is placed later, by
+Forward ops that compute from the state alone (amp O2's half casts of the parameters, at
+the top of the step) are no point of the forward's order: each runs on the first stage that
+reads it, so a stage casts its own weights instead of receiving them. The loss runs on the
+last stage; a backward op runs on the stage of the forward op it differentiates. Every
+other op (comm, optimizer, state, gradient sums) is placed later, by
 ``assign_phases``, near the values it reads or the ops that need it.
 """
 from __future__ import annotations
@@ -37,7 +40,9 @@ def split_stages(program: Program, ctx: PassContext) -> Program:
     layout = ctx.state.pipeline
     if layout is None:
         return program
-    forward = [op for op in program.ops if op.kind is OpKind.CALL and op.role is Role.FORWARD]
+    of_state = _state_only(program)
+    forward = [op for op in program.ops if op.kind is OpKind.CALL and op.role is Role.FORWARD
+               and op not in of_state]
     if not forward:
         raise StageSplitError("pipeline: the program has no forward ops to cut into stages")
     if layout.split == "meshes":
@@ -54,14 +59,44 @@ def split_stages(program: Program, ctx: PassContext) -> Program:
         op.attrs[STAGE] = stage
     last = layout.stages - 1
     for op in program.ops:
-        if op.kind is not OpKind.CALL:
-            continue
-        if op.role is Role.LOSS:
+        if op.kind is OpKind.CALL and op.role is Role.LOSS:
             op.attrs[STAGE] = last
-        elif op.role is Role.BACKWARD and op.forward_op is not None \
+    _with_first_reader(of_state, program)
+    for op in program.ops:
+        if op.kind is OpKind.CALL and op.role is Role.BACKWARD and op.forward_op is not None \
                 and STAGE in op.forward_op.attrs:
             op.attrs[STAGE] = op.forward_op.attrs[STAGE]
     return program
+
+
+def _state_only(program: Program) -> list[Op]:
+    """The forward calls whose tensor inputs all come from the state, directly or through
+    other such calls (a parameter's half cast), in program order."""
+    derived: set = set()
+    found = []
+    for op in program.ops:
+        if op.kind is OpKind.STATE:
+            derived.update(op.outputs)
+        elif op.kind is OpKind.CALL and op.role is Role.FORWARD:
+            tensors = [v for v in op.inputs if v.is_tensor]
+            if tensors and all(v in derived for v in tensors):
+                derived.update(op.outputs)
+                found.append(op)
+    return found
+
+
+def _with_first_reader(ops: list[Op], program: Program) -> None:
+    """Each of ``ops`` on the lowest stage among its forward and loss readers (last op
+    first, so a chain of casts follows its end); one with none stays on stage 0."""
+    readers: dict = {}
+    for op in program.ops:
+        if op.kind is OpKind.CALL and op.role in (Role.FORWARD, Role.LOSS):
+            for v in op.inputs:
+                readers.setdefault(v, []).append(op)
+    for op in reversed(ops):
+        stages = [r.attrs[STAGE] for v in op.outputs for r in readers.get(v, ())
+                  if STAGE in r.attrs]
+        op.attrs[STAGE] = min(stages, default=0)
 
 
 def _check_starts(starts: list[int], forward: list[Op], stages: int) -> None:

@@ -84,6 +84,29 @@ class Section(BaseModel):
         return () if axis is None else (axis,)
 
 
+class SwitchedSection(Section):
+    """A section switched on by ``enable``. Its other settings given without ``enable`` at
+    all are refused: they would silently do nothing (``amp: {dtype: bfloat16, level: O2}``
+    trains in fp32). ``WITHOUT_ENABLE``: the settings that act with the section off."""
+
+    WITHOUT_ENABLE: ClassVar[frozenset[str]] = frozenset()
+    enable: StrictBool = False
+
+    @model_validator(mode="after")
+    def _enable_said(self) -> "SwitchedSection":
+        given = self.model_fields_set - {"enable"} - self.WITHOUT_ENABLE
+        if given and "enable" not in self.model_fields_set:
+            raise ValueError(
+                f"{self.SECTION}: {', '.join(sorted(given))} given without enable, so "
+                f"{'it does' if len(given) == 1 else 'they do'} nothing: add enable: true "
+                f"(enable: false keeps the section off)")
+        return self
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable
+
+
 class MeshConfig(Section):
     """The device mesh: ``shape`` gives each dim's size, the last dim is the fastest link."""
 
@@ -322,7 +345,7 @@ class ShardingConfig(Section):
         return self.stage > 0
 
 
-class AmpConfig(Section):
+class AmpConfig(SwitchedSection):
     """Automatic mixed precision in ``dtype``.
 
     ``level`` O1: the casts ``torch.autocast`` makes (the step is captured under autocast,
@@ -344,7 +367,9 @@ class AmpConfig(Section):
     """
 
     SECTION: ClassVar[str] = "amp"
-    enable: StrictBool = False
+    WITHOUT_ENABLE: ClassVar[frozenset[str]] = frozenset({
+        "loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
+        "tf32"})
     dtype: Literal["bfloat16", "float16"] = "bfloat16"
     level: Literal["O1", "O2"] = "O1"
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -375,13 +400,9 @@ class AmpConfig(Section):
             raise ValueError(f"amp {changed} only apply to loss_scale: dynamic")
         return self
 
-    @property
-    def is_enabled(self) -> bool:
-        return self.enable
 
 
-
-class RecomputeConfig(Section):
+class RecomputeConfig(SwitchedSection):
     """Activation recomputation: the forward of each module matched by ``modules`` (glob
     patterns over module paths, e.g. ``blocks.*``; absent: every repeated layer, each
     instance of a module list of identical layers) keeps only its inputs for the backward
@@ -391,13 +412,8 @@ class RecomputeConfig(Section):
     selective recompute)."""
 
     SECTION: ClassVar[str] = "recompute"
-    enable: StrictBool = False
     modules: tuple[ModulePattern, ...] = ()
     policy: Literal["full", "selective"] = "full"
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.enable
 
 
 class GradientMergeConfig(Section):
@@ -414,7 +430,7 @@ class GradientMergeConfig(Section):
         return self.k_steps > 1
 
 
-class CompileConfig(Section):
+class CompileConfig(SwitchedSection):
     """Compile every lowered program with ``torch.compile``: forward, backward and the
     optimizer update of a step as one graph. ``backend``: ``inductor`` (fused kernels), or
     ``aot_eager`` / ``eager`` to debug a compile problem. ``mode`` is ``torch.compile``'s.
@@ -424,15 +440,10 @@ class CompileConfig(Section):
     the compile."""
 
     SECTION: ClassVar[str] = "compile"
-    enable: StrictBool = False
     backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
     fallback: Literal["error", "eager"] = "error"
     cache_dir: Annotated[str, Field(strict=True, min_length=1)] | None = None
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.enable
 
 
 class GradClipConfig(Section):

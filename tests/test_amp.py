@@ -307,6 +307,35 @@ def test_o1_tp_sp_pp_within_twice_torch_ddp_deviation(config, capsys):
     assert_within_ddp(ours, ddp)
 
 
+def test_o2_pipeline_stages_cast_their_own_weights():
+    """Under O2 each stage casts the weights it reads (``passes/split_stages.py``): the cuts
+    and the messages are fp32's (the casts at the top of the step used to all land on stage
+    0 and travel to the others: 115 messages instead of 7) but one, the tied embedding and
+    head weight, cast on the first stage and sent to the last once a step; and training
+    matches eager O2 within bf16's tolerance (the micro-batches sum their gradients in
+    another order)."""
+    pp = {"mesh": {"shape": [2], "dim_names": ["pp"]},
+          "pipeline": {"axis": "pp", "schedule": "1F1B", "micro_batches": 2}}
+
+    def messages(strategy: ap.Strategy) -> str:
+        model = parity_gpt("adamw", vocab=VOCAB, seq=SEQ, layers=4)
+        engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()),
+                           strategy=strategy)
+        x = torch.randint(0, VOCAB, (BATCH, SEQ))
+        engine.prepare(x, x)
+        return int(re.search(r"messages between stages: (\d+)", engine.summary()).group(1))
+    assert messages(amp_strategy("O2", **pp)) == messages(ap.Strategy(**pp)) + 1
+    model = parity_gpt("adamw", vocab=VOCAB, seq=SEQ, layers=4)
+    reference = copy.deepcopy(model)
+    data = lm_data(STEPS * BATCH, SEQ, VOCAB)
+    want = eager_run(reference, o2_forward, data, STEPS, BATCH,
+                     torch.optim.AdamW(reference.parameters(), lr=1e-3))
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       strategy=simulated(amp_strategy("O2", **pp)))
+    got = engine.fit(data, batch_size=BATCH, steps_per_epoch=STEPS, verbose=0)["loss"]
+    torch.testing.assert_close(torch.tensor(got, dtype=BF16), torch.tensor(want, dtype=BF16))
+
+
 def accumulated_o1(steps: int, k: int, batch: int, sections: dict | None
                    ) -> tuple[list[float], dict]:
     """``steps`` optimizer steps of ``k`` batches of ``batch`` each, O1: eagerly (``sections``
