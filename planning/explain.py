@@ -339,8 +339,10 @@ def summarize(program: Program, mesh, pipeline=None) -> str:
             continue
         groups.setdefault((move.kind, move.axis, move.role), []).append(move.sent)
     if groups:
-        lines.append("communication the placements need (per rank, per step"
-                     + (", each micro-batch's own counted once" if pipeline else "") + "):")
+        lines.append("communication the placements need (" + (
+            f"per step, the {pipeline.layout.stages} stages' together: a rank runs its own "
+            "stage's; each micro-batch's own counted once" if pipeline
+            else "per rank, per step") + "):")
         for (kind, dim, role), sizes in sorted(groups.items()):
             lines.append(f"  {kind:<20} on {dim:<6} {role:<4} x{len(sizes):<4} "
                          f"{_bytes(sum(sizes))}")

@@ -237,3 +237,24 @@ def test_plan_cli_refuses_a_bad_rank_list():
     for bad in ("0,0", "-1", "x"):
         with pytest.raises(SystemExit):
             parser.parse_args(["plan", "t.py", "--ranks", bad])
+
+
+def test_a_1024_rank_plan_is_costed_by_its_8_classes():
+    """dp32 x pp8 x tp4: the reports lower one rank per pipeline position and give every
+    rank its numbers (``bench/plan_scale.py`` times it: seconds, not the hours lowering
+    every rank took)."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=4, n_embd=32))
+    engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters()), strategy=ap.Strategy(
+        mesh=_mesh([8, 32, 4], ["pp", "dp", "tp"]), data_parallel={"axis": "dp"},
+        tensor_parallel=_tp(), pipeline={"axis": "pp", "schedule": "1F1B",
+                                         "micro_batches": 8}))
+    x = torch.randint(0, 64, (256, 16))
+    cost = engine.cost(x, x, profile=Profile.reference())
+    assert sorted(cost) == list(range(1024)) and sorted(cost.time.processes) == sorted(cost)
+    lowered = engine.planner.steps[next(iter(engine.planner.steps))].every_process
+    assert sorted(lowered.processes) == [128 * k for k in range(8)]
+    assert lowered.classes.describe().startswith("1024 processes in 8 classes")
+    table = format_ranks(p for p in cost if cost[p].peak == cost[517].peak)
+    assert "512-639" in table.split(",")
