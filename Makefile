@@ -34,6 +34,7 @@ bench: $(VENV_STAMP)
 	$(PY) bench/overhead.py
 	$(PY) bench/compile.py --memory
 	$(PY) bench/plan.py
+	$(PY) bench/plan_scale.py
 	$(PY) bench/dp_vs_ddp.py
 	$(PY) bench/dp_vs_ddp.py --compile
 	$(PY) bench/tp_vs_dtensor.py

@@ -271,7 +271,7 @@ class Planner:
         every = [0] if mesh is None else sorted(int(p) for p in mesh.process_ids)
         if any(p not in lowered.processes for p in every):
             lowered = lower_representatives(step.program, facts.mesh, facts.pipeline,
-                                            facts.schedule)
+                                            facts.schedule, lowered)
         step.every_process = lowered
         return lowered
 

@@ -102,14 +102,19 @@ def lower_program(program: Program, mesh: ProcessMesh | None,
 
 
 def lower_representatives(program: Program, mesh: ProcessMesh | None,
-                          pipeline: PipelineLayout | None, schedule: PipelineSchedule | None
-                          ) -> Lowered:
+                          pipeline: PipelineLayout | None, schedule: PipelineSchedule | None,
+                          made: Lowered | None = None) -> Lowered:
     """Lower one process per class of identical ranks (``classify_ranks``), for the reports
     (memory, time): ``Lowered.every_process`` gives every process its class's program. A
-    1,024-rank dp x pp x tp plan of even cuts lowers one process per pipeline stage."""
+    1,024-rank dp x pp x tp plan of even cuts lowers one process per pipeline stage.
+    ``made``: this program's lowering so far, whose processes are reused when it holds
+    every representative (the ranks a plan dumped by class)."""
     classes = classify_ranks(program, mesh, pipeline)
-    lowered = lower_program(program, mesh, pipeline, schedule, classes.representatives,
-                            check=False)
+    reps = classes.representatives
+    if made is not None and all(r in made.processes for r in reps):
+        lowered = dataclasses.replace(made, processes={r: made.processes[r] for r in reps})
+    else:
+        lowered = lower_program(program, mesh, pipeline, schedule, reps, check=False)
     lowered.classes = classes
     return lowered
 
