@@ -6,6 +6,8 @@ so the same memory estimate and predicted time; and where the model's local call
 offsets, the very same program text."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -48,6 +50,21 @@ def _mlp_plan(strategy: dict, batch: int = 8, model=None):
     return engine.planner.plan("train", torch.randn(batch, 16), torch.randn(batch, 16))
 
 
+def _moe_plan(strategy: dict):
+    """Mixtral from ``tests/test_moe.py``, its experts routed by capacity (fixed shapes)."""
+    pytest.importorskip("transformers")
+    from autopar.capture.step import CaptureNote
+
+    from . import test_moe as moe
+    model = moe._built("mixtral")
+    engine = ap.Engine(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                       strategy=ap.Strategy(**strategy))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureNote)     # the dense dispatch (test_moe.py)
+        engine.prepare(*moe._batch(moe._data()[:moe.BATCH]))
+    return engine.planner.last("train")
+
+
 def _mesh(shape, names):
     return {"shape": list(shape), "dim_names": list(names)}
 
@@ -74,6 +91,21 @@ CASES = {
     "gpt dp2 x cp2": (_gpt_plan, dict(mesh=_mesh([2, 2], ["dp", "cp"]),
                                       data_parallel={"axis": "dp"},
                                       context_parallel={"axis": "cp"}), ()),
+    "gpt tp2 sequence parallel": (_gpt_plan, dict(
+        mesh=_mesh([2], ["tp"]), tensor_parallel={**_tp(), "sequence_parallel": True,
+                                                  "sequence_dim": 1}), ()),
+    "gpt cp2 ring": (lambda s: _gpt_plan(s, dropout=0.0), dict(
+        mesh=_mesh([2], ["cp"]), context_parallel={"axis": "cp", "method": "ring",
+                                                   "seq_dim": 1}), ()),
+    "mlp hsdp rep2 x shard2": (_mlp_plan, dict(
+        mesh=_mesh([2, 2], ["rep", "shard"]), data_parallel={"axis": ["rep", "shard"]},
+        sharding={"stage": 3, "axis": "shard", "unit": "layer"}), ()),
+    "mixtral dp2 x ep2": (_moe_plan, dict(
+        mesh=_mesh([2, 2], ["dp", "ep"]), data_parallel={"axis": "dp"},
+        expert_parallel={"axis": "ep"}), ()),
+    "mixtral experts over dp2": (_moe_plan, dict(
+        mesh=_mesh([2], ["dp"]), data_parallel={"axis": "dp"},
+        expert_parallel={"axis": "dp"}), ()),
     "gpt pp2 x dp2 x tp2 1F1B": (_gpt_plan, dict(
         mesh=_mesh([2, 2, 2], ["pp", "dp", "tp"]), data_parallel={"axis": "dp"},
         tensor_parallel=_tp(), pipeline={"axis": "pp", "schedule": "1F1B",
