@@ -27,8 +27,10 @@ after the parameter, and the pin goes on the copy, so stage 3 gathers half the b
 FSDP2 under autocast does: autocast casts a weight where it is used, and a layer's fp32
 norm parameters would otherwise travel in a unit of their own (a unit is of one dtype).
 
-Uneven first dims are allowed (``torch.chunk`` pieces); a state that already shards dim 0 on
-another mesh dim (tensor parallelism) is cut further, nested as in DTensor.
+Uneven first dims are allowed (``torch.chunk`` pieces). A state whose dim 0 another mesh dim
+already cuts (a colwise tensor-parallel weight) is cut on its first free dim instead, so the
+ZeRO piece is a slice of the tensor-parallel piece (``_zero_dim``); with no free dim it is
+cut further on dim 0, nested as in DTensor.
 """
 from __future__ import annotations
 
@@ -168,6 +170,19 @@ def _shard_gradient(program: Program, update: Op, dist: DistAttr, axis: int) -> 
         op.map_inputs(lambda v, note=note: note.result if v is raw else v)
 
 
+def _zero_dim(shape: tuple[int, ...], base: DistAttr, mesh: ProcessMesh, axis: int) -> int:
+    """The tensor dim ZeRO cuts: dim 0, unless another mesh dim already cuts it (a colwise
+    or vocab tensor-parallel weight). Then the first dim no mesh dim cuts and with a row for
+    every rank of ``axis``, so each rank's ZeRO piece is a slice of its tensor-parallel piece
+    (Megatron's distributed optimizer) and placing it moves no data: nested under dim 0, the
+    ZeRO cut comes first (mesh-dim order, as DTensor's) and the pieces change tp ranks by
+    two all-to-alls a step. Dim 0, nested, when no other dim qualifies."""
+    cut = {p.dim for m, p in enumerate(base.placements) if m != axis and isinstance(p, Shard)}
+    if 0 not in cut:
+        return 0
+    return next((d for d, n in enumerate(shape) if d not in cut and n >= mesh.shape[axis]), 0)
+
+
 def from_backward(grad: Value) -> Value:
     """The gradient as the backward made it: back through the optimizer-role ops that
     transform it before its update (clipping's ``g * coef``), by the operand shaped like it."""
@@ -183,14 +198,16 @@ def from_backward(grad: Value) -> Value:
 
 def _pin_shard0(value: Value, param: Value, mesh: ProcessMesh, axis: int, stage: int,
                what: str) -> None:
-    """Shard(0) on ``axis`` on top of the parameter's pinned placement (tp), if any."""
+    """A shard on ``axis`` (``_zero_dim``) on top of the parameter's pinned placement (tp),
+    if any."""
     if not value.type.shape:
         return                       # a scalar (Adam's step) stays replicated
     base = param.dist if param.dist is not None else DistAttr.replicated(mesh)
     if base.placements[axis].is_shard():
         return                       # already cut on the axis (experts on the dp axis)
-    dist = trivial_dims_replicated(base.with_placement(axis, Shard(0)))
-    why = Reason("plan", f"sharding stage {stage}: {what} dim 0 sharded on "
+    dim = _zero_dim(tuple(value.type.shape), base, mesh, axis)
+    dist = trivial_dims_replicated(base.with_placement(axis, Shard(dim)))
+    why = Reason("plan", f"sharding stage {stage}: {what} dim {dim} sharded on "
                          f"{mesh.dim_names[axis]}")
     if value is param and value.dist is not None:
         # a tensor-parallel pin says where the whole parameter lives; ZeRO cuts it further

@@ -126,9 +126,25 @@ def test_zero_trains_like_eager(stage, dp, model_name, optim):
 @pytest.mark.parametrize("stage, optim, steps", [(3, "adamw", STEPS), (3, "sgd", STEPS),
                                                  (1, "adamw", SHORT), (2, "sgd", SHORT)])
 def test_dp2_tp2_shards_over_dp(stage, optim, steps):
-    """Megatron pairs on tp, ZeRO nested under them on dp (a colwise weight's rows are cut
-    by tp, then each tp piece by dp)."""
+    """Megatron pairs on tp, ZeRO on dp: a rowwise weight's rows cut by dp, a colwise one
+    (rows cut by tp) on its columns, a slice of the tp piece."""
     _fit_both("gpt", optim, _strategy(stage, 2, tp=2), steps=steps)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_cuts_a_colwise_weight_on_a_dim_tp_leaves_whole(stage):
+    """Each rank's ZeRO piece is a slice of its tensor-parallel piece (Megatron's
+    distributed optimizer): no all-to-all moves pieces between tp ranks (nested on dim 0,
+    ZeRO's cut came first and every colwise weight took two all-to-alls a step)."""
+    model, loss_fn, data = _gpt("adamw")
+    engine = ap.Engine(model, loss_fn, torch.optim.AdamW(model.parameters()),
+                       strategy=_strategy(stage, 2, tp=2))
+    x, y = (torch.stack(t) for t in zip(*data[:BATCH]))
+    program = engine.prepare(x, y)
+    assert not [op for op in program.ops if op.target == "comm.all_to_all"]
+    states = {op.attrs[NAME]: op.result.dist for op in program.states()}
+    assert str(states["blocks.0.fc1.weight/exp_avg"]).startswith("{S(1),S(0)}")   # colwise
+    assert str(states["blocks.0.fc2.weight/exp_avg"]).startswith("{S(0),S(1)}")   # rowwise
 
 
 @pytest.mark.parametrize("stage, optim, steps", [(2, "sgd", STEPS), (2, "adamw", STEPS),
