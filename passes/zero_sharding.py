@@ -79,15 +79,25 @@ def zero_sharding(program: Program, ctx: PassContext) -> Program:
         for update in [op for op in program.ops if op.role is Role.OPTIMIZER
                        and op.args and op.args[0] in sharded]:
             _shard_gradient(program, update, sharded[update.args[0]], axis)
+    amp = ctx.strategy.amp
+    half_params = amp.is_enabled and amp.level == "O2"
     if sharding.stage >= 3:
         users = program.users()
-        amp = ctx.strategy.amp
-        half_params = amp.is_enabled and amp.level == "O2"
         for name, param in params.items():
             _pin_shard0(param, param, mesh, axis, sharding.stage, f"parameter {name!r}")
             if param.dist is not None and param.dist.placements[axis].is_shard():
                 read = _read_copy(program, param, users) if half_params else param
                 _gather_for_uses(program, name, param, read, axis, users)
+    elif half_params:
+        users = program.users()
+        for name, param in params.items():
+            if half_copy(param, users) is None:
+                continue
+            _pin_shard0(param, param, mesh, axis, sharding.stage,
+                        f"fp32 master parameter {name!r} (amp O2)")
+            if param.dist is not None and param.dist.placements[axis].is_shard():
+                _gather_once(program, name, param, _read_copy(program, param, users), axis,
+                             users)
     return program
 
 
@@ -148,6 +158,25 @@ def _gather_for_uses(program: Program, name: str, param: Value, read: Value, axi
         program.insert_after(program.ops[program.ops.index(first) - 1], note)
         for op in readers:
             op.map_inputs(lambda v, note=note: note.result if v is read else v)
+
+
+def _gather_once(program: Program, name: str, param: Value, read: Value, axis: int,
+                 users: dict[Value, list[Op]]) -> None:
+    """Stages 1 and 2 under amp O2 (Megatron's distributed optimizer): the fp32 master
+    parameter stays cut on the axis, each rank casts its piece and the half copy ``read``
+    is gathered once, at the top of the step, for every forward and backward use: the
+    gather moves half the bytes of gathering the updated fp32 piece, and no rank holds the
+    whole fp32 parameter."""
+    readers = [op for op in users.get(read, ()) if op.role in (Role.FORWARD, Role.BACKWARD)]
+    if not readers:
+        return
+    dist = param.dist.with_placement(axis, Replicate())
+    note = Op(OpKind.CALL, "autopar.annotate", (read,), outputs=[Value(read.type)],
+              role=Role.FORWARD, module=read.producer.module,
+              attrs={DIST: dist, PINNED_DIMS: (axis,), ORIGIN: f"zero gather {name}"})
+    program.insert_after(read.producer, note)
+    for op in readers:
+        op.map_inputs(lambda v, note=note: note.result if v is read else v)
 
 
 def _shard_gradient(program: Program, update: Op, dist: DistAttr, axis: int) -> None:

@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 import autopar as ap
+from autopar.ir.attrs import NAME
 from autopar.models.gpt import lm_loss
 from autopar.reshard.comm import BUCKET_STEPS, RESHARD_STEP
 from autopar.reshard.steps import AllGather, AllReduce, ReduceScatter
@@ -421,17 +422,22 @@ def dp2_eager_o2(model: torch.nn.Module, data, steps: int, reduce: torch.dtype) 
     return losses
 
 
-@pytest.mark.parametrize("config", ["dp", "dp_zero3"])
+@pytest.mark.parametrize("config", ["dp", "dp_zero1", "dp_zero2", "dp_zero3"])
 @pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
 def test_o2_dp2_reduces_gradients_in_reduce_dtype(config, reduce_dtype, tmp_path):
-    """The plan's gradient all-reduces (ZeRO-3: reduce-scatters, the update's piece) carry
+    """The plan's gradient all-reduces (ZeRO: reduce-scatters, the update's piece) carry
     ``reduce_dtype``, the casts report says so, and the numbers are the eager two-rank sum
-    in that dtype, bit for bit. ZeRO-3 gathers the parameters' bf16 copies."""
+    in that dtype, bit for bit. ZeRO gathers the parameters' bf16 copies, cast on the piece
+    (stages 1 and 2 once a step: the fp32 master weights stay cut, as in Megatron's
+    distributed optimizer)."""
     model = parity_gpt("adamw", vocab=VOCAB, seq=SEQ)
     reference = copy.deepcopy(model)
     data = lm_data(STEPS * BATCH, SEQ, VOCAB)
-    sections = ap.Strategy.from_yaml(CONFIGS / f"{config}.yaml").model_dump(
+    stage = {"dp_zero1": 1, "dp_zero2": 2}.get(config)
+    sections = ap.Strategy.from_yaml(CONFIGS / f"{'dp' if stage else config}.yaml").model_dump(
         exclude={"debug"}, exclude_unset=True)
+    if stage:
+        sections["sharding"] = {"stage": stage, "axis": "dp"}
     strategy = amp_strategy("O2", reduce_dtype, **sections).model_copy(update={
         "debug": ap.Strategy(debug={"simulate": True, "dump_dir": str(tmp_path)}).debug})
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -439,12 +445,15 @@ def test_o2_dp2_reduces_gradients_in_reduce_dtype(config, reduce_dtype, tmp_path
     got = engine.fit(data, batch_size=BATCH, steps_per_epoch=STEPS, verbose=0)["loss"]
 
     dtype = getattr(torch, reduce_dtype)
-    kind = ReduceScatter if config == "dp_zero3" else AllReduce
+    kind = ReduceScatter if config != "dp" else AllReduce
     program = engine.planner.last("train").program
     reductions = moved_dtypes(program, kind)
     assert set(reductions) == {dtype} and reductions[dtype] > 0
-    if config == "dp_zero3":     # the parameters' bf16 copies are gathered, cast on the piece
+    if config != "dp":     # the parameters' bf16 copies are gathered, cast on the piece
         assert set(moved_dtypes(program, AllGather)) == {BF16}
+        fc1 = next(op.result for op in program.states()
+                   if op.attrs[NAME] == "blocks.0.fc1.weight")
+        assert fc1.dist.placements[0].is_shard()     # no rank holds the whole fp32 master
     report = next(tmp_path.glob("rank0/*gradient_reduce_dtype.amp.txt")).read_text()
     where = "before" if reduce_dtype == "bfloat16" else "after"
     short = {"float32": "f32", "bfloat16": "bf16"}[reduce_dtype]
