@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from ..annotations import param_annotation
 from ..capture import Precision, StepSpec, capture, flatten_batch
 from ..cost import Profile, StepTime, predict_step
-from ..ir import NAME, Program, StateKind, format_program
+from ..ir import NAME, ProcessMesh, Program, StateKind, format_program
 from ..lower import (
     CompileSpec,
     Dump,
@@ -267,7 +267,7 @@ class Planner:
         if step.every_process is not None:
             return step.every_process
         lowered, facts = step.lowered, step.facts
-        mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
+        mesh = _processes_mesh(facts)
         every = [0] if mesh is None else sorted(int(p) for p in mesh.process_ids)
         if any(p not in lowered.processes for p in every):
             lowered = lower_representatives(step.program, facts.mesh, facts.pipeline,
@@ -281,7 +281,7 @@ class Planner:
         otherwise the ones whose dumps are asked for (``debug.dump_ranks``), or none."""
         if self.process is not None:
             return [self.process]
-        mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
+        mesh = _processes_mesh(facts)
         if self.every or mesh is None or mesh.size == 1:
             return None
         if dump is None:
@@ -295,7 +295,7 @@ class Planner:
             return None
         if asked == "classes":
             return frozenset(classify_ranks(program, facts.mesh, facts.pipeline).representatives)
-        mesh = facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
+        mesh = _processes_mesh(facts)
         every = {0} if mesh is None else {int(p) for p in mesh.process_ids}
         missing = sorted(set(asked) - every)
         if missing:
@@ -347,3 +347,9 @@ def _signature(tree: Any) -> tuple:
     leaves, spec = pytree.tree_flatten(tree)
     return (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
                              for x in leaves))
+
+
+def _processes_mesh(facts: PlanState) -> ProcessMesh | None:
+    """The mesh of a plan's processes: a pipeline's full mesh (the pp axis too), else the
+    program's (None: serial)."""
+    return facts.pipeline.full_mesh if facts.pipeline is not None else facts.mesh
