@@ -165,7 +165,7 @@ def _depth(text: str) -> int:
 def run_diff(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Print what changed between two plans' dumps; a missing or foreign directory is a
     usage error naming it."""
-    from .planning.dump_diff import format_dump_diff
+    from .pass_infra.dump_diff import format_dump_diff
     if args.max_lines < 0 or args.context < 0:
         parser.error("diff: --max-lines and --context take 0 or more")
     try:

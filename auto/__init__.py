@@ -1,7 +1,7 @@
 """Automatic parallelization (issue 16): candidate strategies per op from the SPMD rules, the
 integer program that picks one per op for a whole captured step (identical layers tied),
 and the planner that searches the parallel layouts and picks the strategy (``search``)."""
-from ..planning.layers import LayerClass, RepeatedLayers, layer_of, repeated_layers
+from ..pass_infra.layers import LayerClass, RepeatedLayers, layer_of, repeated_layers
 from .apply import AutoPlacements, auto_placements, pin_placements, placed_program
 from .candidates import Candidate, fused_shards, op_candidates, start_candidates
 from .evaluate import Measured

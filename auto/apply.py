@@ -20,10 +20,10 @@ from ..ir import OpKind, Program
 from ..ir.attrs import NAME
 from ..ir.dist import DistAttr
 from ..ir.reason import Reason
+from ..pass_infra.context import PassContext, PlanInputs
+from ..pass_infra.manager import PassManager
+from ..pass_infra.pinning import pin
 from ..passes import PIPELINE
-from ..planning.context import PassContext, PlanInputs
-from ..planning.manager import PassManager
-from ..planning.pinning import pin
 from ..strategy import Strategy
 from .placement_ilp import PlacementChoice, solve_placements
 from .tp_plan import tensor_parallel_plan_of

@@ -36,8 +36,8 @@ from ..ir import Op, OpKind, Program, StateKind, Value
 from ..ir.attrs import NAME, STATE
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Placement, ProcessMesh, Replicate, Shard
+from ..pass_infra.pinning import AnnotationError
 from ..passes.tensor_parallel_plan import style_placement
-from ..planning.pinning import AnnotationError
 from ..spmd import lookup
 from ..spmd.rule_registry import tensor_inputs
 

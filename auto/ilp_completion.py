@@ -15,9 +15,9 @@ from ..ir import OpKind, Program
 from ..ir.attrs import NAME
 from ..ir.dist import ProcessMesh
 from ..ir.reason import Reason
+from ..pass_infra.context import PassContext
 from ..passes import PIPELINE
 from ..passes.completion import place_outputs
-from ..planning.context import PassContext
 from ..spmd.rule_registry import tensor_inputs
 from .placement_ilp import PlacementChoice, solve_placements
 

@@ -11,7 +11,7 @@ need=q]`` (the marginal, or local-polytope, form Alpa uses: its relaxation is ti
 HiGHS mostly solves at the root; ``e >= x + y - 1`` on the costly pairs alone left gaps it
 branched on for minutes).
 
-Repeated layers (``planning.layers``): the ops of identical layers share their ``x`` (the
+Repeated layers (``pass_infra.layers``): the ops of identical layers share their ``x`` (the
 compute and memory of all of them on one variable, one one-hot row), and an edge repeated
 by them shares its ``e`` (its costs added up), so a 24-layer model's program is about a
 one-layer model's.
@@ -49,8 +49,8 @@ from ..ir import Op, OpKind, Program, Value
 from ..ir.attrs import NAME, STATE, StateKind
 from ..ir.core import TensorType
 from ..ir.dist import DistAttr, Partial, ProcessMesh, Shard
+from ..pass_infra.layers import RepeatedLayers, repeated_layers
 from ..pipeline.flops import FLOPS, op_flops
-from ..planning.layers import RepeatedLayers, repeated_layers
 from ..reshard.paths import plan_reshard
 from ..spmd.rule_registry import tensor_inputs
 from .candidates import Candidate, fused_shards, op_candidates, start_candidates
@@ -260,7 +260,7 @@ class _Builder:
 
     def _tied(self, op: Op) -> _Node | None:
         """The variables (and so the candidates) of the op ``op`` is tied to
-        (``planning.layers``: same target, arguments, types and pins, so each of its strategies
+        (``pass_infra.layers``: same target, arguments, types and pins, so each of its strategies
         is one of ``op``'s). What the producers offer may differ at a layer's edge (a
         grouped shard a view derives, offered to a later layer only: its residual input
         descends from the first layer's fused qkv); the first layer's offers stand."""
@@ -456,7 +456,7 @@ def solve_placements(program: Program, mesh: ProcessMesh, profile: Profile | Non
     paid) once, as the reshard pass does, at the price of a variable per (value, placement)
     and one row per consumer: on the 2-layer E=512 GPT it chose the same plan with a solve
     6x slower (0.6 s, not 0.1 s), so it is off by default. Raises ValueError when no placement
-    fits the limit. ``tie_layers``: identical repeated layers (``planning.layers``) share one
+    fits the limit. ``tie_layers``: identical repeated layers (``pass_infra.layers``) share one
     strategy, so the program holds one layer of each class (the optimum is then the best
     plan in which every identical layer does the same). ``fused``: offer the grouped shard
     of a fused projection's parameters (``candidates.fused_shards``); without it the ILP

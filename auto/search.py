@@ -30,7 +30,7 @@ from ..cost.profile import Profile
 from ..ir import OpKind, Program
 from ..ir.dist import DistAttr, ProcessMesh
 from ..ir.reason import Reason
-from ..planning.pinning import pin
+from ..pass_infra.pinning import pin
 from ..strategy import Strategy
 from .apply import placed_program
 from .evaluate import Estimate, PlanFn, evaluate

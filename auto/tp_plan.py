@@ -14,8 +14,8 @@ from collections import defaultdict
 from ..ir import Program, StateKind
 from ..ir.attrs import NAME
 from ..ir.dist import DistAttr, ProcessMesh
+from ..pass_infra.pinning import AnnotationError
 from ..passes.tensor_parallel_plan import style_placement
-from ..planning.pinning import AnnotationError
 
 __all__ = ["tensor_parallel_plan_of", "nearest_tensor_parallel_plan"]
 

@@ -3,7 +3,7 @@ of L = 2, 8, 24 layers on a 1-D [tp] mesh, tp = 2, 4, 8, as the planner asks it
 (``auto.search``: one solve per tensor-parallel degree).
 
 Per (L, tp): capture (``placed_program``), then ``solve_placements`` with the repeated layers
-tied (``planning.layers``) and, where ``--untied-up-to`` allows, untied too: build and solve
+tied (``pass_infra.layers``) and, where ``--untied-up-to`` allows, untied too: build and solve
 seconds, variables and rows, ops tied, the objective, whether the untied optimum places
 every parameter as the tied one does, and the ``tensor_parallel.plan`` read back (exact:
 each module's placements are what its plan style pins; the reason otherwise). Target (issue

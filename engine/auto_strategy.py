@@ -15,7 +15,7 @@ import torch
 from ..annotations import param_annotation
 from ..auto import AutoPlan, Measured, Problem, search_strategy
 from ..cost import Profile, ProfileNotFound, default_profile, default_profile_path
-from ..planning import ParallelLayout
+from ..pass_infra import ParallelLayout
 from ..strategy import Strategy
 from .data import batch_size_of
 from .planner import Planner

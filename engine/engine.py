@@ -24,9 +24,9 @@ from ..checkpoint import latest_checkpoint
 from ..cost import Profile, StepTime, default_profile
 from ..ir import Program, Slot, value_names
 from ..lower import lower_program
+from ..pass_infra import ParallelLayout, explain_value, summarize
 from ..passes import pass_manager
 from ..pipeline import chrome_trace
-from ..planning import ParallelLayout, explain_value, summarize
 from ..runtime import (
     RUNTIME_SECTIONS,
     DistributedRuntime,

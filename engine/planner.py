@@ -38,8 +38,8 @@ from ..lower import (
     lower_program,
     lower_representatives,
 )
+from ..pass_infra import ParallelLayout, PassContext, PlanInputs, PlanState
 from ..passes import pass_manager
-from ..planning import ParallelLayout, PassContext, PlanInputs, PlanState
 from ..strategy import Strategy
 from .data import batch_size_of
 from .plan_cache import PlanCache, plan_key

@@ -1,5 +1,5 @@
 """Why a value has its placement: the record completion (and the annotation and reshard
-passes) leave on every placed value, read by ``planning.explain`` and the dumps.
+passes) leave on every placed value, read by ``pass_infra.explain`` and the dumps.
 
 Plain data, stored by the IR (``Value.why``): the kind of decision, a sentence, the op whose
 rule or need decided, the values it was decided from, and, per mesh dim, what was chosen

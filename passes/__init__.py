@@ -1,7 +1,7 @@
 """Passes: the planned program, one transformation per file, run in order (``PIPELINE``) by
-``autopar.planning.manager``. Each pass declares the facts it needs and makes and the
+``autopar.pass_infra.manager``. Each pass declares the facts it needs and makes and the
 strategy sections it implements; what passes share (their context and facts, pinning,
-explanations) lives in ``autopar.planning``, and lowering (``autopar.lower``) makes each
+explanations) lives in ``autopar.pass_infra``, and lowering (``autopar.lower``) makes each
 rank's program from the result.
 
     decompose_loss, fold_noops, dead_code        clean up the captured step
@@ -30,9 +30,9 @@ rank's program from the result.
     assign_phases, schedule_pipeline             a pipeline's phases and job order
 """
 from ..ir import Program
-from ..planning.context import Fact, PassContext
-from ..planning.explain import format_explanations
-from ..planning.manager import Pass, PassManager, make_pass
+from ..pass_infra.context import Fact, PassContext
+from ..pass_infra.explain import format_explanations
+from ..pass_infra.manager import Pass, PassManager, make_pass
 from .assign_phases import assign_phases
 from .bucket_collectives import bucket_collectives
 from .clip_grad import clip_grad

@@ -30,9 +30,9 @@ from ..ir.attrs import COMM_TEXT, NAME, SLOTS, STATE
 from ..ir.dist import micro_batch_dim
 from ..ir.kernels.offload import before_copies
 from ..ir.printer import value_names
+from ..pass_infra.context import PassContext
 from ..pipeline.phases import BOUNDARY, HOMES, STAGE, Home, Homes, Phase
 from ..pipeline.schedules import splits_backward
-from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_TARGET, RESHARD_STEP
 from ..reshard.steps import AllGather, AllReduce, MakePartial, Slice
 from ..spmd import lookup

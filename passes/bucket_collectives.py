@@ -30,8 +30,8 @@ from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
 from ..ir.dist import micro_batch_dim
+from ..pass_infra.context import PassContext
 from ..pipeline.phases import STAGE
-from ..planning.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import AllReduce
 

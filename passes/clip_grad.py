@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import Program, Role
 from ..ir.from_fx import append_graph
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 
 
 def _clip(grads: list[torch.Tensor], max_norm: float, norm_type: float) -> list[torch.Tensor]:

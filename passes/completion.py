@@ -17,7 +17,7 @@ from ..ir import Op, OpKind, Program, Value
 from ..ir.attrs import NAME
 from ..ir.dist import DistAttr, ProcessMesh, Replicate
 from ..ir.reason import Reason
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..spmd import lookup
 from ..spmd.einsum import Decision, MeshDimChoice, Option
 from ..spmd.rule_registry import describe, tensor_inputs

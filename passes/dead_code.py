@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..ir import OpKind, Program
 from ..ir.ops import op_info
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 
 
 def dead_code(program: Program, ctx: PassContext) -> Program:

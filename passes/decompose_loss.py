@@ -17,7 +17,7 @@ import torch
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.core import TensorType
 from ..ir.ops import schema_args
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 
 _NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 _MEAN, _SUM = 1, 2

@@ -28,8 +28,8 @@ from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS
 from ..ir.dist import DistAttr, ProcessMesh, Shard
 from ..ir.reason import Reason
-from ..planning.context import PassContext
-from ..planning.pinning import AnnotationError, pin
+from ..pass_infra.context import PassContext
+from ..pass_infra.pinning import AnnotationError, pin
 from ..spmd.rule_registry import tensor_inputs
 
 __all__ = ["expert_parallel", "expert_stacks"]

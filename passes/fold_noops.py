@@ -4,7 +4,7 @@ are full of both; each costs a dispatch per step and nothing else."""
 from __future__ import annotations
 
 from ..ir import Op, OpKind, Program, Value
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 
 _IDENTITIES = {"aten.detach.default", "aten.alias.default"}
 _TRANSPOSE = "aten.t.default"

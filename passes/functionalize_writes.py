@@ -29,7 +29,7 @@ from typing import Callable
 
 from ..ir import Op, OpKind, Program, Value
 from ..ir.ops import UnknownOpError, op_info, schema_args
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from .strided_views import plain_views
 
 

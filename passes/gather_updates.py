@@ -21,7 +21,7 @@ sharded (nothing to gather after the update); pipelines are left alone.
 from __future__ import annotations
 
 from ..ir import Op, OpKind, Program, Value
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..reshard.comm import RESHARD_STEP
 from ..reshard.steps import AllGather
 from .bucket_collectives import bucket_bytes

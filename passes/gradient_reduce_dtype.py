@@ -33,7 +33,7 @@ from ..ir.attrs import NAME, STATE
 from ..ir.core import dtype_abbrev
 from ..ir.dist import DistAttr, Partial, Placement, Replicate
 from ..ir.reason import Reason
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..spmd.rule_registry import tensor_inputs
 
 __all__ = ["gradient_reduce_dtype", "format_casts"]

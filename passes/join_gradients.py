@@ -14,8 +14,8 @@ from __future__ import annotations
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import LOCAL_NOTE
 from ..ir.dist import micro_batch_dim
+from ..pass_infra.context import PassContext
 from ..pipeline.phases import STAGE
-from ..planning.context import PassContext
 from ..reshard.comm import RESHARD_STEP
 from ..reshard.steps import AllReduce
 

@@ -34,8 +34,8 @@ from ..ir import Op, OpKind, Program, Role, Slot, StateKey, Value, state_op
 from ..ir.attrs import NAME, Attr
 from ..ir.dist import DistAttr, Replicate, micro_batch_dim
 from ..ir.reason import Reason
+from ..pass_infra.context import PassContext
 from ..pipeline.phases import STAGE
-from ..planning.context import PassContext
 from .dead_code import dead_code
 from .zero_sharding import from_backward
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from ..ir import Op, OpKind, Program, TensorType, Value
 from ..ir.attrs import NAME, StateKind
 from ..ir.ops import schema_args
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 
 _FORWARD = "aten.native_batch_norm.default"
 _BACKWARD = "aten.native_batch_norm_backward.default"

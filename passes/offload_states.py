@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import MULTI, ON_HOST, STATE
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 
 __all__ = ["offload_states", "is_update"]
 

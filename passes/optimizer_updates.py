@@ -25,7 +25,7 @@ from ..ir import (
 )
 from ..ir.attrs import NAME
 from ..ir.kernels.optim import OptimizerRule, initial_state, rule_for
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 
 
 def _state_type(param_value: Value, state: torch.Tensor | None) -> TensorType:

@@ -8,8 +8,8 @@ from ..ir import OpKind, Program, StateKind
 from ..ir.attrs import DIST, NAME, ORIGIN
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, micro_batch_dim
 from ..ir.reason import Reason
-from ..planning.context import PassContext
-from ..planning.pinning import pin
+from ..pass_infra.context import PassContext
+from ..pass_infra.pinning import pin
 
 __all__ = ["pin_annotations"]
 

@@ -28,7 +28,7 @@ from typing import Callable
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import AllGather
 from .zero_sharding import parameter_of, scheduled_axis

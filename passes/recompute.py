@@ -3,7 +3,7 @@ again instead of keeping what the forward made.
 
 ``recompute: {enable: true, modules: ["blocks.*"], policy: full | selective}``; without
 ``modules``, every repeated layer (each instance of a module list of identical layers,
-``planning.layers``: the layers the auto planner ties; torchtitan's and Paddle's default),
+``pass_infra.layers``: the layers the auto planner ties; torchtitan's and Paddle's default),
 named in the report. Each module instance a pattern matches (the outermost: ``blocks.*``
 matches ``blocks.0``, not also ``blocks.0.attn``) is a *segment*: its forward ops (calls,
 and the collectives reshard put in it, but not a ZeRO-3 gather of a parameter, which
@@ -45,8 +45,8 @@ from ..ir.attrs import COMM_TEXT, STATE, Attr
 from ..ir.kernels.generator_state import RNG_STATE
 from ..ir.ops import draws_random, op_info
 from ..ir.printer import value_names
-from ..planning.context import PassContext
-from ..planning.layers import repeated_layers
+from ..pass_infra.context import PassContext
+from ..pass_infra.layers import repeated_layers
 from ..reshard.comm import FOR_ROLE
 
 __all__ = ["recompute", "format_recompute", "RECOMPUTE", "segments", "modules_of", "Segment"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..ir import Op, OpKind, Program
 from ..ir.ops import schema_args
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 
 ATTENTION = "aten._scaled_dot_product_"
 RING_BLOCK = "autopar.ring_block.default"

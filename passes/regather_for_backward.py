@@ -30,7 +30,7 @@ from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import COMM_TEXT, NAME
 from ..ir.ops import op_info
 from ..ir.reason import Reason
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..reshard.comm import FOR_ROLE, RESHARD_STEP
 from .zero_sharding import half_copy, scheduled_axis
 

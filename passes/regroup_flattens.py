@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..ir import Op, OpKind, Program, StateKind, Value
 from ..ir.attrs import REGROUP_DIMS, STATE
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..spmd.rules.views import RESHAPES
 
 __all__ = ["regroup_flattens"]

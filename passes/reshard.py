@@ -17,7 +17,7 @@ from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT
 from ..ir.dist import DistAttr
 from ..ir.reason import Reason
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..reshard import plan_reshard
 from ..reshard.comm import FOR_ROLE, FOR_TARGET, RESHARD_STEP
 

@@ -15,7 +15,7 @@ from ..ir import Op, OpKind, Program, Role
 from ..ir.attrs import COMM_TEXT
 from ..ir.dist import DistAttr, Shard, format_placements
 from ..ir.ops import schema_args
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..reshard.comm import FOR_ROLE, FOR_TARGET, RESHARD_STEP
 from ..reshard.steps import Shift
 

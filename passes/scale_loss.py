@@ -42,7 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..ir import Op, OpKind, Program, Role, Slot, StateKey, TensorType, Value, state_op
 from ..ir.attrs import Attr
 from ..ir.from_fx import append_graph
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..strategy.sections import AmpConfig
 
 __all__ = ["LOSS_SCALING", "LOSS_SCALE", "GROWTH_TRACKER", "FOUND_INF", "SCALE_USED", "SKIPPED",

@@ -33,7 +33,7 @@ from __future__ import annotations
 from ..ir import Op, OpKind, Program, Role, Value
 from ..ir.attrs import COMM_TEXT, MULTI
 from ..ir.core import OpaqueType
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 from ..reshard.steps import AllReduce, ReduceScatter
 from .bucket_collectives import FIRST_BUCKET, bucket_bytes

@@ -11,6 +11,7 @@ time.
 from __future__ import annotations
 
 from ..ir import OpKind, Program
+from ..pass_infra.context import PassContext
 from ..pipeline.flops import op_flops
 from ..pipeline.phases import Phase, homes_of
 from ..pipeline.schedules import PipelineSchedule, build_schedule, splits_backward
@@ -21,7 +22,6 @@ from ..pipeline.timeline import (
     render,
     unit_cost,
 )
-from ..planning.context import PassContext
 
 
 def schedule_pipeline(program: Program, ctx: PassContext) -> Program:

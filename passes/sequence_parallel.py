@@ -15,8 +15,8 @@ from __future__ import annotations
 from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS
 from ..ir.dist import DistAttr, ProcessMesh, Shard
-from ..planning.context import PassContext
-from ..planning.pinning import AnnotationError
+from ..pass_infra.context import PassContext
+from ..pass_infra.pinning import AnnotationError
 from .tensor_parallel_plan import plan_entries
 
 __all__ = ["sequence_parallel"]

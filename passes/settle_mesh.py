@@ -20,11 +20,11 @@ from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DIST, NAME
 from ..ir.dist import DistAttr, ProcessMesh
+from ..pass_infra.context import PassContext
+from ..pass_infra.pinning import AnnotationError, trivial_dims_replicated
 from ..pipeline.layout import PipelineLayout
 from ..pipeline.phases import STAGE_HINT
 from ..pipeline.schedules import check_schedule_args
-from ..planning.context import PassContext
-from ..planning.pinning import AnnotationError, trivial_dims_replicated
 
 __all__ = ["settle_mesh"]
 

@@ -10,8 +10,8 @@ from ..ir import OpKind, Program
 from ..ir.attrs import BATCH_PATH, NAME
 from ..ir.dist import MICRO_BATCH_DIM, DistAttr, Shard
 from ..ir.reason import Reason
-from ..planning.context import PassContext
-from ..planning.pinning import pin
+from ..pass_infra.context import PassContext
+from ..pass_infra.pinning import pin
 
 __all__ = ["shard_batch"]
 

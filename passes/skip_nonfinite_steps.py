@@ -32,7 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..ir import OpKind, Program, Role, Slot, Value
 from ..ir.from_fx import append_graph
 from ..ir.kernels.optim import OPTIMIZER_RULES
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from .scale_loss import (
     FOUND_INF,
     GROWTH_TRACKER,

@@ -25,9 +25,9 @@ import re
 
 from ..ir import Op, OpKind, Program, Role
 from ..ir.attrs import NAME
+from ..pass_infra.context import PassContext
 from ..pipeline.flops import op_flops
 from ..pipeline.phases import STAGE, STAGE_HINT
-from ..planning.context import PassContext
 
 _LAYER = re.compile(r"^(.*\.)?\d+$")
 

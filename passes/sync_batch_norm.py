@@ -54,7 +54,7 @@ from ..ir import Op, OpKind, Program, TensorType, Value
 from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DECOMPOSES, NAME, Slot, StateKind
 from ..ir.ops import op_info, schema_args
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from . import micro_batch_norm
 from .functionalize_writes import out_of_place
 from .micro_batch_norm import micro_batches_apart

@@ -47,8 +47,8 @@ from ..ir.dist import (
 )
 from ..ir.ops import schema_args
 from ..ir.reason import Reason
-from ..planning.context import PassContext
-from ..planning.pinning import AnnotationError, pin
+from ..pass_infra.context import PassContext
+from ..pass_infra.pinning import AnnotationError, pin
 from ..spmd import lookup
 from ..spmd.dim_transforms import view_groups
 from ..spmd.rule_registry import tensor_inputs

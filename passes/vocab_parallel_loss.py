@@ -38,7 +38,7 @@ from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DECOMPOSES
 from ..ir.dist import DistAttr
 from ..ir.ops import schema_args
-from ..planning.context import PassContext
+from ..pass_infra.context import PassContext
 from ..spmd.rule_registry import tensor_inputs
 
 _FORWARD = "aten._log_softmax.default"          # (self, dim, half_to_float)

@@ -38,8 +38,8 @@ from ..ir import Op, OpKind, Program, Role, StateKind, Value
 from ..ir.attrs import DIST, NAME, ORIGIN, PINNED_DIMS, STATE
 from ..ir.dist import DistAttr, ProcessMesh, Replicate, Shard
 from ..ir.reason import Reason
-from ..planning.context import PassContext
-from ..planning.pinning import AnnotationError, pin, trivial_dims_replicated
+from ..pass_infra.context import PassContext
+from ..pass_infra.pinning import AnnotationError, pin, trivial_dims_replicated
 
 __all__ = ["zero_sharding", "scheduled_axis", "from_backward", "half_copy",
            "parameter_of"]

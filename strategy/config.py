@@ -8,7 +8,7 @@ engine passes ``os.environ`` where an override applies.
 
 The strategy is pure data: it imports nothing of autopar's. What needs the mesh as a
 ``ProcessMesh`` or a schedule's rules is checked where the strategy is interpreted
-(``planning.parallel_layout``).
+(``pass_infra.parallel_layout``).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from autopar.ir.attrs import CONST, MULTI, NAME, STATE, STRIDES
 from autopar.ir.ops import op_info, resolve
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.models.gpt import lm_loss
+from autopar.pass_infra.context import PassContext, PlanInputs
 from autopar.passes import pass_manager
 from autopar.passes.decompose_loss import decompose_loss
-from autopar.planning.context import PassContext, PlanInputs
 from autopar.strategy import Strategy
 
 BATCH, SEQ, VOCAB = 2, 8, 30

@@ -12,9 +12,9 @@ import autopar as ap
 from autopar.ir import OpKind, Role
 from autopar.ir.attrs import NAME
 from autopar.ir.dist import Partial, Replicate, Shard
+from autopar.pass_infra.explain import describe_reason, planned_moves
+from autopar.pass_infra.pinning import AnnotationError
 from autopar.passes.completion import MissingRuleError, MissingRuleWarning
-from autopar.planning.explain import describe_reason, planned_moves
-from autopar.planning.pinning import AnnotationError
 
 from .models_zoo import MegatronMLP, mse
 

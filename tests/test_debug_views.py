@@ -16,7 +16,7 @@ import torch
 import autopar as ap
 from autopar.__main__ import main
 from autopar.models.gpt import lm_loss
-from autopar.planning.dump_diff import diff_dumps, format_dump_diff
+from autopar.pass_infra.dump_diff import diff_dumps, format_dump_diff
 
 from .parity import lm_data, parity_gpt
 from .test_golden_dumps import GOLDEN, PLANS, golden_files
@@ -274,8 +274,8 @@ def test_without_text_only_the_formats_asked_for_are_written(tmp_path):
 
 
 def test_a_failing_pass_still_writes_the_page_of_the_passes_before_it(tmp_path):
-    from autopar.planning.context import PassContext, PlanInputs
-    from autopar.planning.manager import PassManager, make_pass
+    from autopar.pass_infra.context import PassContext, PlanInputs
+    from autopar.pass_infra.manager import PassManager, make_pass
 
     def broken(program, ctx):
         raise RuntimeError("the <broken> pass")

@@ -110,7 +110,7 @@ def test_a_new_pass_needs_nothing_from_the_engine(monkeypatch):
     back into the engine's state, and the history has its report."""
     import autopar.passes as passes
     from autopar.ir import Role, Slot, StateKey, TensorType, state_op
-    from autopar.planning import Fact, make_pass
+    from autopar.pass_infra import Fact, make_pass
 
     key = StateKey.scaler("optimizer_steps")     # a pass's own scalar state, like the scaler's
 

@@ -1,4 +1,4 @@
-"""Repeated layers in the placement ILP (autopar.planning.layers): identical layers of a module
+"""Repeated layers in the placement ILP (autopar.pass_infra.layers): identical layers of a module
 list are found (forward, backward, optimizer step, parameters and states), layers that
 differ are not tied, and tying gives the untied optimum on a model whose layers all do the
 same in it, in a program whose size does not grow with the depth."""
@@ -20,10 +20,10 @@ from autopar.ir import OpKind, Role
 from autopar.ir.attrs import NAME
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
+from autopar.pass_infra.explain import planned_moves
+from autopar.pass_infra.layers import layer_of, repeated_layers
+from autopar.pass_infra.manager import PassManager
 from autopar.passes import PIPELINE
-from autopar.planning.explain import planned_moves
-from autopar.planning.layers import layer_of, repeated_layers
-from autopar.planning.manager import PassManager
 
 from .models_zoo import hf_gpt2
 from .parity import one_thread

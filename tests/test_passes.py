@@ -6,11 +6,11 @@ from autopar.capture.step import capture
 from autopar.ir import OpKind, Program, format_program, verify
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
+from autopar.pass_infra.context import PassContext, PlanInputs
+from autopar.pass_infra.manager import PassManager
 from autopar.passes import pass_manager
 from autopar.passes.dead_code import dead_code
 from autopar.passes.fold_noops import fold_noops
-from autopar.planning.context import PassContext, PlanInputs
-from autopar.planning.manager import PassManager
 from autopar.strategy import Strategy
 
 
@@ -60,7 +60,7 @@ def test_manager_refuses_unknown_disabled_pass_and_names_failing_pass():
         program.ops.pop(0)          # drops a definition: the verifier must catch it
         return program
 
-    from autopar.planning.manager import Pass
+    from autopar.pass_infra.manager import Pass
     manager = PassManager(passes=(Pass("broken", broken),))
     with pytest.raises(Exception) as info:
         manager.run(_gpt_program(), PassContext(PlanInputs.of(Strategy())))
@@ -76,7 +76,7 @@ def test_passes_keep_dumps_stable():
 
 def test_a_pass_that_needs_a_disabled_pass_s_fact_fails_naming_it():
     """Disabling a pass that later passes depend on fails loudly before they run."""
-    from autopar.planning.context import FactError
+    from autopar.pass_infra.context import FactError
     inputs = PlanInputs.of(Strategy())
     with pytest.raises(FactError, match="pass 'pin_annotations' needs 'mesh', made by "
                                         "settle_mesh \\(disabled\\)"):
@@ -90,7 +90,7 @@ def test_a_pass_that_needs_a_disabled_pass_s_fact_fails_naming_it():
 
 
 def test_plan_facts_are_read_only_after_the_pass_that_makes_them():
-    from autopar.planning.context import FactError, PlanState
+    from autopar.pass_infra.context import FactError, PlanState
     state = PlanState()
     with pytest.raises(FactError, match="'mesh' is read before pass 'settle_mesh' made it"):
         state.mesh
@@ -101,8 +101,8 @@ def test_plan_facts_are_read_only_after_the_pass_that_makes_them():
 
 
 def test_a_pass_must_make_the_facts_it_declares():
-    from autopar.planning.context import Fact, FactError
-    from autopar.planning.manager import Pass
+    from autopar.pass_infra.context import Fact, FactError
+    from autopar.pass_infra.manager import Pass
     lazy = Pass("lazy", lambda program, ctx: program, makes=frozenset({Fact.MESH}))
     with pytest.raises(FactError, match="pass 'lazy' declares it makes \\['mesh'\\] but left"):
         PassManager(passes=(lazy,)).run(_gpt_program(), PassContext(PlanInputs.of(Strategy())))

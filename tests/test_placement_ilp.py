@@ -16,7 +16,7 @@ from autopar.ir import Role
 from autopar.ir.dist import Replicate, Shard
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.planning.explain import planned_moves
+from autopar.pass_infra.explain import planned_moves
 
 from .models_zoo import MegatronMLP as MLP
 from .models_zoo import mse as _mse

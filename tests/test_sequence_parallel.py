@@ -17,7 +17,7 @@ from autopar.ir.attrs import MULTI, NAME
 from autopar.ir.dist import Shard
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
-from autopar.planning.pinning import AnnotationError
+from autopar.pass_infra.pinning import AnnotationError
 from autopar.reshard.comm import BUCKET_STEPS, FOR_ROLE, RESHARD_STEP
 
 from .models_zoo import MegatronMLP, mse

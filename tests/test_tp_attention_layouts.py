@@ -36,7 +36,7 @@ from autopar.ir.dist import (
     parse_placements,
     shard_tensor_local,
 )
-from autopar.planning.pinning import AnnotationError
+from autopar.pass_infra.pinning import AnnotationError
 from autopar.reshard import AllGather, ReduceScatter, Slice, plan_reshard
 
 from .parity import assert_same_losses, assert_same_params

@@ -35,10 +35,10 @@ from autopar.ir.dist import (  # noqa: E402
 )
 from autopar.models import GPT, GPTConfig  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
+from autopar.pass_infra.context import PassContext, PlanInputs  # noqa: E402
+from autopar.pass_infra.manager import PassManager  # noqa: E402
 from autopar.passes import PIPELINE
 from autopar.passes.vocab_parallel_loss import classes_may_shard  # noqa: E402
-from autopar.planning.context import PassContext, PlanInputs  # noqa: E402
-from autopar.planning.manager import PassManager  # noqa: E402
 from autopar.reshard.comm import RESHARD_STEP
 from autopar.spmd import lookup  # noqa: E402
 from autopar.spmd.local_forms import LocalContext, local_call, run_local  # noqa: E402

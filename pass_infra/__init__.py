@@ -1,4 +1,5 @@
-"""What the passes share, and the loop that runs them.
+"""The pass infrastructure: what the passes share, the loop that runs them, and the views
+of what they made (explanations, dumps).
 
     context          what a pass reads (``PlanInputs``) and the typed facts passes hand on
                      (``PlanState``, ``Fact``)
