@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -93,3 +94,11 @@ def parity_gpt(optim: str, vocab: int = 64, seq: int = 16, dropout: float = 0.0,
         for block in model.blocks:
             block.attn.qkv.register_parameter("bias", None)
     return model
+
+
+def dumped_around(where: Path, name: str) -> tuple[str, str]:
+    """The training program rank 0 dumped (``debug.dump_dir``) before and after pass
+    ``name``, as the engine planned the step it ran."""
+    programs = sorted(f for f in (where / "rank0").glob("[0-9][0-9]_*.txt") if "." not in f.stem)
+    at = [f.stem[3:] for f in programs].index(name)
+    return programs[at - 1].read_text(), programs[at].read_text()
