@@ -14,7 +14,9 @@ from .core import (
     ValueType,
     state_op,
 )
-from .dist import DistAttr, Partial, Placement, ProcessMesh, Replicate, Shard
+from .dist_attr import DistAttr
+from .mesh import ProcessMesh
+from .placements import Partial, Placement, Replicate, Shard
 from .printer import format_program, value_names
 from .verifier import VerificationError, verify
 

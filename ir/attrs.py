@@ -34,7 +34,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
-from .dist import DistAttr
+from .dist_attr import DistAttr
 
 __all__ = ["StateKind", "StateKey", "Slot", "SLOT_KINDS", "Attr", "AttrError", "NAME",
            "BATCH_PATH", "REGROUP_DIMS", "STATE", "FILL", "SLOTS", "CONST", "MULTI", "STRIDES",

@@ -29,7 +29,7 @@ from .attrs import (  # noqa: F401
 )
 
 if TYPE_CHECKING:
-    from .dist import DistAttr
+    from .dist_attr import DistAttr
     from .reason import Reason
 
 

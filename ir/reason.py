@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .dist import Groups, format_groups
+from .shard_groups import Groups, format_groups
 
 if TYPE_CHECKING:
     from .core import Op, Value

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..dist import chunk_grouped
 from ..ops import kernel
+from ..reference import chunk_grouped
 
 
 @kernel("autopar.micro_batch_slice")
