@@ -29,6 +29,9 @@ docs: $(VENV_STAMP)
 golden: $(VENV_STAMP)
 	AUTOPAR_UPDATE_GOLDEN=1 $(PY) -m pytest tests/test_golden_dumps.py
 
+# every CPU benchmark of bench/ (docs/benchmarks.md); not here: gpu_check.py and
+# multi_gpu_check.py (CUDA only), placement_ilp.py (the placement ILP alone: run it when
+# changing auto/), profile_step.py and ranks.py (the benchmarks' helpers)
 bench: $(VENV_STAMP)
 	$(PY) bench/serial.py
 	$(PY) bench/overhead.py
@@ -53,6 +56,10 @@ bench: $(VENV_STAMP)
 	$(PY) bench/checkpoint.py
 	$(PY) bench/cost_model.py
 	$(PY) bench/auto_plan.py
+	$(PY) bench/async_checkpoint.py
+	$(PY) bench/context_parallel.py
+	$(PY) bench/variable_lengths.py
+	$(PY) bench/packing.py
 
 clean:
 	rm -rf .venv

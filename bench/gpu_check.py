@@ -18,10 +18,14 @@ a row that would start past the budget is reported as not run):
   row, and the device's measured peak against the same step without offload and against
   the estimate;
 * speed: a ~125M-parameter GPT (12 x 768, vocab 50304, seq 1024) in bf16, median step of
-  eager, ``torch.compile``d eager, autopar, autopar with ``compile: {enable: true}``;
+  eager, ``torch.compile``d eager, autopar, autopar with ``compile: {enable: true}``; it
+  passes when autopar's step is at most ``SPEED_LIMIT`` (1.10) times eager's and compiled
+  autopar's at most that times compiled eager's, all four measured in this run;
 * calibration: ``python -m autopar calibrate --quick`` on this machine, its time and what
   it measured.
 
+It exits 1 when a row failed (FAIL, ERROR) or was not run for want of budget: the check is
+then not a pass; 0 when every row passed or was skipped on request (``--skip-big``).
 Without CUDA it says so in one line and exits 0 (CI never has a GPU).
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -43,6 +47,39 @@ ROOT = Path(__file__).resolve().parent.parent
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
+# the speed criterion: autopar's median step at most this times its torch peer's, both
+# measured in the same run (eager, compiled or not, here; the peers of multi_gpu_check.py)
+SPEED_LIMIT = 1.10
+# a row's result: passed; skipped on request (--skip-big) or not for this launch (a row for
+# another world size); the others (FAIL, ERROR, not run for want of budget) fail the check
+PASSED, SKIPPED = "pass", "skipped"
+
+
+def speed_ratio(ours: float, theirs: float, peer: str,
+                limit: float = SPEED_LIMIT) -> tuple[bool, str]:
+    """(whether ``ours`` is at most ``limit`` times ``theirs``, the ratio said against the
+    limit): step times of autopar and its torch ``peer`` in one run (a NaN fails)."""
+    ratio = ours / theirs
+    ok = ratio <= limit
+    return ok, f"autopar/{peer} {ratio:.2f} {'<=' if ok else 'NOT <='} {limit:.2f}"
+
+
+def speed_verdict(times: dict[str, float], limit: float = SPEED_LIMIT) -> tuple[bool, str]:
+    """The speed row's verdict on the median step times of ``eager``, ``eager compiled``,
+    ``autopar`` and ``autopar compiled``: autopar against eager and compiled autopar against
+    compiled eager, each at most ``limit`` times; the criterion and both ratios in words."""
+    plain, plain_text = speed_ratio(times["autopar"], times["eager"], "eager", limit)
+    compiled, compiled_text = speed_ratio(times["autopar compiled"], times["eager compiled"],
+                                          "eager compiled", limit)
+    return plain and compiled, (f"criterion: autopar/eager and compiled autopar/compiled "
+                                f"eager <= {limit:.2f}, same run: {plain_text}; compiled "
+                                f"{compiled_text}")
+
+
+def exit_status(results: Iterable[str]) -> int:
+    """The check's exit status from its rows' results: 0 when every row passed or was
+    skipped, 1 otherwise (a row that failed, raised or was not run for want of budget)."""
+    return 0 if all(result in (PASSED, SKIPPED) for result in results) else 1
 
 
 def _gpt(layers=2, width=64, heads=4, vocab=128, seq=32, dropout=0.0, bias=True):
@@ -254,7 +291,8 @@ def row_speed() -> tuple[bool, str]:
     eager = out["eager"][0]
     text = "; ".join(f"{k} {v[0] * 1e3:.1f} ms ({v[0] / eager:.2f}x eager, first step "
                      f"{v[1]:.0f} s)" for k, v in out.items())
-    return True, f"GPT {params:.0f}M bf16, batch {rows}x{seq}: {text}"
+    ok, verdict = speed_verdict({k: v[0] for k, v in out.items()})
+    return ok, f"GPT {params:.0f}M bf16, batch {rows}x{seq}: {text}; {verdict}"
 
 
 def row_calibrate() -> tuple[bool, str]:
@@ -284,11 +322,42 @@ ROWS: list[tuple[str, Callable[[], tuple[bool, str]], bool]] = [
 ]
 
 
-def main() -> int:
+def run_rows(rows: list[tuple[str, Callable[[], tuple[bool, str]], bool]], budget_s: float,
+             skip_big: bool = False) -> list[str]:
+    """Run ``rows`` (name, row, big) in order, each in its own try, printing a table line
+    per row; a row that would start past ``budget_s`` seconds is not run. Their results."""
+    results = []
+    start = time.perf_counter()
+    for name, row, big in rows:
+        if big and skip_big:
+            results.append(SKIPPED)
+            print(f"| {name} | {SKIPPED} | --skip-big | - |", flush=True)
+            continue
+        if time.perf_counter() - start > budget_s:
+            results.append("not run")
+            print(f"| {name} | not run | budget of {budget_s:.0f} s spent | - |", flush=True)
+            continue
+        began = time.perf_counter()
+        try:
+            ok, detail = row()
+            result = PASSED if ok else "FAIL"
+        except Exception as err:       # a failing row is a result, the next one runs
+            result = "ERROR"
+            where = traceback.extract_tb(err.__traceback__)[-1]
+            detail = (f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]} "
+                      f"({Path(where.filename).name}:{where.lineno})")
+        torch.cuda.empty_cache()
+        results.append(result)
+        print(f"| {name} | {result} | {detail.replace('|', '/')} | "
+              f"{time.perf_counter() - began:.0f} |", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--skip-big", action="store_true", help="leave out the 125M GPT")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing "
               "to check")
@@ -300,28 +369,11 @@ def main() -> int:
           f"{props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)\n")
     print("| check | result | detail | s |\n|---|---|---|---|")
-    start = time.perf_counter()
-    for name, row, big in ROWS:
-        if big and args.skip_big:
-            print(f"| {name} | not run | --skip-big | - |", flush=True)
-            continue
-        if time.perf_counter() - start > args.budget_s:
-            print(f"| {name} | not run | budget of {args.budget_s:.0f} s spent | - |",
-                  flush=True)
-            continue
-        began = time.perf_counter()
-        try:
-            ok, detail = row()
-            result = "pass" if ok else "FAIL"
-        except Exception as err:       # a failing row is a result, the next one runs
-            result = "ERROR"
-            where = traceback.extract_tb(err.__traceback__)[-1]
-            detail = (f"{type(err).__name__}: {str(err).splitlines()[0][:300]} "
-                      f"({Path(where.filename).name}:{where.lineno})")
-        torch.cuda.empty_cache()
-        print(f"| {name} | {result} | {detail.replace('|', '/')} | "
-              f"{time.perf_counter() - began:.0f} |", flush=True)
-    return 0
+    results = run_rows(ROWS, args.budget_s, args.skip_big)
+    status = exit_status(results)
+    print(f"\ngpu_check: {len(results)} rows, {results.count(PASSED)} passed, "
+          f"{results.count(SKIPPED)} skipped: exit {status}")
+    return status
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ autopar's gathered parameters too, or be no farther from eager's than twice the 
 (AdamW magnifies the last bits a sum over ranks changes: DDP itself misses atol here on
 gloo). Then the two sides' steps alternate (warm-up first, each step from a barrier and
 synchronized, its time the slowest rank's) and the row gives their medians and the ratio
-autopar/peer (< 1: autopar faster). Rank 0 prints the table. A rank stuck in a collective
+autopar/peer (< 1: autopar faster), which must be at most ``gpu_check.SPEED_LIMIT`` (1.10)
+for the row to pass. A row for another world size (HSDP: 4 ranks; pp: 2) is skipped. Rank 0
+prints the table; the exit status is 1 when a row failed, raised or was not run for want of
+budget (``gpu_check.exit_status``), 0 when all passed or were skipped. A rank stuck in a collective
 (a row failing on some ranks only) ends the run after ``--timeout-s``, the rows printed so
 far standing. Each side's helpers come from those benchmarks and ``bench/ranks.py``; the
 parity and timing here are their CPU ones made device-aware (synchronized, NCCL tensors).
@@ -58,7 +61,7 @@ import dp_vs_ddp  # noqa: E402
 import pp_vs_pipelining  # noqa: E402
 import tp_vs_dtensor  # noqa: E402
 import zero_vs_fsdp2  # noqa: E402
-from gpu_check import ATOL, RTOL, STEPS  # noqa: E402
+from gpu_check import ATOL, RTOL, SKIPPED, STEPS, exit_status, speed_ratio  # noqa: E402
 from ranks import gpt_and_batch, gpt_arguments, in_rank, local  # noqa: E402
 
 import autopar as ap  # noqa: E402
@@ -215,7 +218,7 @@ def _judge(args: argparse.Namespace, engine: ap.Engine, eager: torch.nn.Module,
            peer_step: Callable[[], object], peer_params=None, src: int = 0
            ) -> tuple[bool, str]:
     """A row's verdict: parity of both sides with eager (``_parity``; autopar's parameters
-    gathered too), then their step times."""
+    gathered too), then their step times: autopar/peer at most ``SPEED_LIMIT``."""
     ours = lambda: engine.train_step(x, y)  # noqa: E731
     ok, losses = _parity({"autopar": ours, peer: peer_loss}, _as_float(_train(eager, x, y)),
                          src, x.device)
@@ -223,9 +226,9 @@ def _judge(args: argparse.Namespace, engine: ap.Engine, eager: torch.nn.Module,
     ok = ok and same
     times = _paired({"autopar": ours, peer: peer_step}, args.steps, args.warmup, x.device)
     engine.close()
-    ratio = times["autopar"] / times[peer]
-    return ok, (f"{losses}; {params}; step autopar {times['autopar'] * 1e3:.2f} ms, "
-                f"{peer} {times[peer] * 1e3:.2f} ms, ratio {ratio:.2f}")
+    fast, speed = speed_ratio(times["autopar"], times[peer], peer)
+    return ok and fast, (f"{losses}; {params}; step autopar {times['autopar'] * 1e3:.2f} ms, "
+                         f"{peer} {times[peer] * 1e3:.2f} ms, {speed}")
 
 
 def _as_float(step: Callable[[], torch.Tensor]) -> Step:
@@ -321,14 +324,19 @@ def row_pp(args: argparse.Namespace, device: torch.device) -> tuple[bool, str]:
                   src=world - 1)
 
 
-def rows(world: int) -> list[tuple[str, Row]]:
-    """The check's rows on a launch of ``world`` ranks."""
-    return [(f"dp{world} vs DDP", row_dp), (f"tp{world} Megatron vs DTensor", row_tp),
-            (f"ZeRO-3 dp{world} vs FSDP2", row_zero3),
+def rows(world: int) -> list[tuple[str, Row, str | None]]:
+    """The check's rows on a launch of ``world`` ranks: (name, row, why it is skipped on
+    this launch or None)."""
+    def needs(ranks: int) -> str | None:
+        return None if world == ranks else f"needs {ranks} ranks, launched on {world}"
+    return [(f"dp{world} vs DDP", row_dp, None),
+            (f"tp{world} Megatron vs DTensor", row_tp, None),
+            (f"ZeRO-3 dp{world} vs FSDP2", row_zero3, None),
             (f"ZeRO-3 dp{world} + offload vs FSDP2 CPUOffloadPolicy",
-             functools.partial(row_zero3, offload=True)),
-            ("HSDP [2, 2] vs FSDP2 2-D mesh", functools.partial(row_zero3, hsdp=True)),
-            ("pp2 1F1B vs pipelining", row_pp)]
+             functools.partial(row_zero3, offload=True), None),
+            ("HSDP [2, 2] vs FSDP2 2-D mesh", functools.partial(row_zero3, hsdp=True),
+             needs(4)),
+            ("pp2 1F1B vs pipelining", row_pp, needs(2))]
 
 
 # ------------------------------------------------------------------------ the launch
@@ -394,19 +402,27 @@ def rank_main(args: argparse.Namespace) -> int:
     if rank == 0:
         _header(world, args)
     start = time.perf_counter()
-    for name, row in rows(world):
+    results = []
+    for name, row, skip in rows(world):
         began = time.perf_counter()
-        if not _agreed(began - start <= args.budget_s, device):
+        if skip is not None:
+            result, detail = SKIPPED, skip
+        elif not _agreed(began - start <= args.budget_s, device):
             result, detail = "not run", f"budget of {args.budget_s:.0f} s spent"
         else:
             result, detail = _run_row(row, args, device)
         torch.cuda.empty_cache()
+        results.append(result)      # the same on every rank (_run_row gathers them)
         if rank == 0:
             print(f"| {name} | {result} | {detail.replace('|', '/')} | "
                   f"{time.perf_counter() - began:.0f} |", flush=True)
+    status = exit_status(results)
+    if rank == 0:
+        print(f"\nmulti_gpu_check: {len(results)} rows, {results.count('pass')} passed, "
+              f"{results.count(SKIPPED)} skipped: exit {status}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return status
 
 
 def _header(world: int, args: argparse.Namespace) -> None:

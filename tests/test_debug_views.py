@@ -3,6 +3,7 @@ Graphviz and HTML dumps (``debug.dump_format``) and ``python -m autopar diff`` o
 dumps."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +28,22 @@ TP2 = ("mesh: {shape: [2], dim_names: [tp]}\n"
        "tensor_parallel: {axis: tp, plan: {'blocks.*.fc1': colwise, 'blocks.*.fc2': rowwise}}\n")
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "headless_shell",
             "chromium-headless-shell")
+# .ci/run installs Graphviz and Chromium and sets this: there a missing one fails the run
+# instead of skipping its render check
+REQUIRE_RENDERERS = os.environ.get("AUTOPAR_REQUIRE_RENDERERS") == "1"
+
+
+def _tool(names: tuple[str, ...], what: str, package: str) -> str:
+    """The first of ``names`` on PATH; without one the calling test is skipped, saying why
+    (failed where ``AUTOPAR_REQUIRE_RENDERERS=1``)."""
+    found = next((path for path in map(shutil.which, names) if path), None)
+    if found is None:
+        why = (f"{what} is not installed (none of {', '.join(names)} on PATH; Debian: "
+               f"apt-get install {package}, as .ci/run does)")
+        if REQUIRE_RENDERERS:
+            pytest.fail(f"{why}, and AUTOPAR_REQUIRE_RENDERERS=1 asks for it")
+        pytest.skip(why)
+    return found
 
 
 def _plan(strategy_yaml: str, dump_dir: Path | None = None, formats: str = "",
@@ -139,12 +156,48 @@ def test_a_dot_graph_per_pass_colours_placements_and_marks_collectives(dp_tp_dum
     sharded = [a for a in nodes.values() if a["class"] == "sharded"]
     assert {a["fillcolor"] for a in sharded} == {'"#9ec5fe"'}
     assert len(edges) > len(nodes)
-    if shutil.which("dot"):
-        # layout effort capped: the check is that Graphviz reads every statement
-        done = subprocess.run(["dot", "-Tsvg", "-Gnslimit=1", "-Gnslimit1=1", "-Gmclimit=0.1",
-                               "-Gsearchsize=10"], input=reshard, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0 and "<svg" in done.stdout, done.stderr
+
+
+def _render_dot(dot: str, text: str) -> None:
+    """Graphviz lays ``text`` out without an error or a warning (a statement it cannot
+    parse, an unknown shape, colour or attribute value), and its SVG holds every node and
+    edge the DOT declares (``_parse_dot``): none dropped on the way."""
+    # layout effort capped: the check is that Graphviz reads every statement
+    done = subprocess.run([dot, "-Tsvg", "-Gnslimit=1", "-Gnslimit1=1", "-Gmclimit=0.1",
+                           "-Gsearchsize=10"], input=text, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "<svg" in done.stdout, done.stderr[-2000:]
+    assert not done.stderr.strip(), f"Graphviz warned:\n{done.stderr[-2000:]}"
+    nodes, edges = _parse_dot(text)
+    titles = re.findall(r'<g id="(node|edge)\d+" class="(?:node|edge)[^"]*">\s*'
+                        r"<title>([^<]*)</title>", done.stdout)
+    drawn_nodes = {t for kind, t in titles if kind == "node"}
+    drawn_edges = [t.replace("&#45;&gt;", "->") for kind, t in titles if kind == "edge"]
+    assert drawn_nodes == set(nodes), set(nodes) ^ drawn_nodes
+    assert sorted(drawn_edges) == sorted(f"{a}->{b}" for a, b in edges)
+
+
+def test_graphviz_draws_every_node_and_edge_of_a_pass_graph(dp_tp_dumps):
+    _, where = dp_tp_dumps
+    dot = _tool(("dot",), "Graphviz", "graphviz")
+    for name in ("00_capture.dot", next((where / "rank0").glob("[0-9][0-9]_reshard.dot")).name):
+        _render_dot(dot, (where / "rank0" / name).read_text())
+
+
+def test_the_graphviz_check_fails_on_a_broken_graph(dp_tp_dumps):
+    """The render check itself: a statement Graphviz cannot parse, or a value it does not
+    know (it then warns and draws something else), fails it."""
+    _, where = dp_tp_dumps
+    dot = _tool(("dot",), "Graphviz", "graphviz")
+    good = (where / "rank0" / "00_capture.dot").read_text()
+    edge = re.search(r"^ *(\w+) -> (\w+);$", good, re.M)
+    unparsable = good.replace(edge[0], edge[0].replace(" -> ", " -> -> "), 1)
+    with pytest.raises(AssertionError, match="syntax error"):
+        _render_dot(dot, unparsable)
+    unknown_shape = good.replace('shape="box"', 'shape="boxx"', 1)
+    assert unknown_shape != good
+    with pytest.raises(AssertionError, match="boxx"):
+        _render_dot(dot, unknown_shape)
 
 
 _ATTR = re.compile(r'\s*(\w+)=("(?:[^"\\]|\\.)*"|[\w.#-]+)\s*(,|$)')
@@ -250,19 +303,93 @@ def test_the_html_page_shows_every_pass_its_collectives_and_changes(dp_tp_dumps)
     assert '<span class="ins">+%' in section and "comm.all_reduce" in section
     # every text of the program is escaped: the dump's quotes and arrows are entities
     assert "{step=&#x27;" in page and "-&gt; {" in page
-    _render_in_a_browser(page_path, names)
 
 
-def _render_in_a_browser(page: Path, names: list[str]) -> None:
-    """With a headless Chromium on the machine, the DOM it builds holds every pass."""
-    browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
-    if browser is None:
-        return          # the structure is checked above; rendering needs a browser
-    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
-                           "--dump-dom", page.resolve().as_uri()],
-                          capture_output=True, text=True, timeout=120)
+# Around the page's own script, in a copy of the page: the first records every uncaught
+# error; the second, after it, uses the page's controls as a reader would and writes what it
+# saw into <html data-*> (which --dump-dom prints).
+_PROBE_ERRORS = """<script>window.probeErrors = [];
+window.addEventListener('error', function (e) { window.probeErrors.push(e.message); });
+</script>"""
+_PROBE_CONTROLS = """<script>(function () {
+  const out = document.documentElement.dataset;
+  try {
+    const ops = Array.from(document.querySelectorAll('pre.program span.op'));
+    const filter = document.getElementById('filter');
+    filter.value = 'all_reduce';
+    filter.dispatchEvent(new Event('input'));
+    const shown = ops.filter(function (s) { return !s.classList.contains('hidden'); });
+    out.ops = ops.length;
+    out.shown = shown.length;
+    out.strays = shown.filter(function (s) {
+      return !s.textContent.includes('all_reduce');
+    }).length;
+    const only = document.getElementById('changed-only');
+    only.checked = true;
+    only.dispatchEvent(new Event('change'));
+    out.unchanged = document.querySelectorAll('section.pass.unchanged').length;
+    out.unchangedshown = document.querySelectorAll('section.pass.unchanged:not(.hidden)').length;
+    out.changedhidden = document.querySelectorAll('section.pass:not(.unchanged).hidden').length;
+  } catch (e) {
+    window.probeErrors.push('probe: ' + e.message);
+  }
+  out.errors = window.probeErrors.join(' / ');
+})();</script>"""
+
+
+def _render_in_a_browser(browser: str, page: Path, names: list[str], scratch: Path) -> None:
+    """Headless Chromium loads (a probed copy of) ``page``: its script runs without an
+    error, the DOM it builds holds every pass of ``names``, the filter shows only the
+    program lines holding its text and 'only passes that changed' hides exactly the
+    unchanged passes."""
+    html = page.read_text()
+    assert html.count("<head>") == 1 and html.count("</body>") == 1
+    probed = scratch / "probed.html"
+    probed.write_text(html.replace("<head>", "<head>" + _PROBE_ERRORS)
+                      .replace("</body>", _PROBE_CONTROLS + "</body>"))
+    done = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={scratch / 'profile'}", "--dump-dom",
+         probed.resolve().as_uri()], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+    root = re.search(r"<html\b[^>]*>", done.stdout)
+    assert root, done.stdout[:2000]
+    seen = dict(re.findall(r'\bdata-(\w+)="([^"]*)"', root[0]))
+    assert "errors" in seen, f"the probe did not run: {root[0]}"
+    assert seen["errors"] == "", f"the page's script failed: {seen['errors']}"
     assert all(f'data-pass="{name}"' in done.stdout for name in names)
+    counts = {k: int(v) for k, v in seen.items() if k != "errors"}
+    assert 0 < counts["shown"] < counts["ops"] and counts["strays"] == 0, counts
+    assert counts["unchanged"] > 0 and counts["unchangedshown"] == 0, counts
+    assert counts["changedhidden"] == 0, counts
+
+
+def test_chromium_runs_the_page_its_passes_and_controls(dp_tp_dumps, tmp_path):
+    _, where = dp_tp_dumps
+    browser = _tool(BROWSERS, "a headless Chromium", "chromium")
+    names = [s.split("_", 1)[1] for s in _pass_stems(where / "rank0")]
+    _render_in_a_browser(browser, where / "rank0" / "plan.html", names, tmp_path)
+
+
+@pytest.mark.parametrize("defect, planted, error", [
+    # a syntax error: no listener is ever added
+    ("function apply() {", "function apply() {{", "SyntaxError"),
+    # a runtime error in the handler the filter calls
+    ("filter.value.trim()", "filter.value.trimmed()", "TypeError"),
+])
+def test_the_browser_check_fails_on_a_broken_page_script(dp_tp_dumps, tmp_path, defect,
+                                                         planted, error):
+    """The render check itself: the page with a planted script error fails it."""
+    _, where = dp_tp_dumps
+    browser = _tool(BROWSERS, "a headless Chromium", "chromium")
+    page = (where / "rank0" / "plan.html").read_text()
+    assert page.count(defect) == 1
+    broken = tmp_path / "plan.html"
+    broken.write_text(page.replace(defect, planted))
+    names = [s.split("_", 1)[1] for s in _pass_stems(where / "rank0")]
+    with pytest.raises(AssertionError, match=f"script failed: .*{error}"):
+        _render_in_a_browser(browser, broken, names, tmp_path)
 
 
 def test_without_text_only_the_formats_asked_for_are_written(tmp_path):

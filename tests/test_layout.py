@@ -1,7 +1,6 @@
 """Packaging: every package folder is listed, so an installed autopar imports fully."""
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
