@@ -198,7 +198,7 @@ def run_calibrate(args: argparse.Namespace) -> None:
     processes through torchrun."""
     import os
 
-    from .cost.calibrate import default_processes, launch, run
+    from .calibrate import default_processes, launch, run
     if "WORLD_SIZE" not in os.environ:
         args.processes = args.processes or default_processes(args.device)
         if args.processes > 1:

@@ -42,7 +42,7 @@ Collectives are not scaled: they were measured with all the launch's processes r
 and over loopback gloo they are latency-bound. The planner asks about one machine, the
 one calibrated.
 
-The pipeline runtime's own work, as ``cost/pipeline_probe.py`` measured it with all the
+The pipeline runtime's own work, as ``calibrate/pipeline_probe.py`` measured it with all the
 calibration's processes exchanging messages (so not scaled by ``contention``): every
 schedule job's send of a message costs the job ``Profile.p2p_send`` at the message's
 bytes, and every job the transport's prefetch after it, ``pipeline_job_s``. Both are
@@ -185,7 +185,7 @@ OPTIMIZERS: frozenset[str] = frozenset({"optim.adam", "optim.sgd"})
 def op_size(op: Op) -> float:
     """The size an op's curve is over: FLOPs of a matmul-class op (``MATMUL``), the
     parameter's bytes of an optimizer update, bytes read + written otherwise. Calibration
-    measures the profile's per-op curves over this very function (``cost/op_probes.py``)."""
+    measures the profile's per-op curves over this very function (``calibrate/op_probes.py``)."""
     rule = MATMUL.get(op.target)
     if rule is not None:
         return rule(op)

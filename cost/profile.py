@@ -1,6 +1,6 @@
 """The machine profile: measured compute curves and collective alpha-beta fits.
 
-Written by ``python -m autopar calibrate`` (cost/calibrate.py), read by the predictor and
+Written by ``python -m autopar calibrate`` (calibrate/), read by the predictor and
 the planner, which evaluate it thousands of times: every lookup here is a bisect and a few
 float operations, nothing allocates.
 
@@ -123,11 +123,11 @@ class Profile(BaseModel):
     rate. ``slowdown``: processes computing at once -> their time relative to one alone
     (1 -> 1.0), measured with the others idle at a barrier: time-sharing cores is not
     linear in the processes.
-    ``op_curves``: target -> dtype name -> the curve of that op alone (``cost/op_probes.py``:
+    ``op_curves``: target -> dtype name -> the curve of that op alone (``calibrate/op_probes.py``:
     gelu, layer norm, softmax, SDPA, AdamW per parameter...), over ``cost.predict.op_size``;
     ``view_s``: one view op (no data moves: aten's dispatch and the view's metadata).
     Format 3 added ``op_curves`` and ``view_s`` and measures the curves alone.
-    The pipeline runtime's own costs (``cost/pipeline_probe.py``, measured with all the
+    The pipeline runtime's own costs (``calibrate/pipeline_probe.py``, measured with all the
     processes running): ``p2p_send``, a pipeline message's send call over its bytes, in the
     job that posts it (its mean: the calls are heavy-tailed); ``pipeline_job_s``, the
     runtime's work after every job (the transport's prefetch).

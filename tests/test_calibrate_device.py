@@ -18,8 +18,12 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from autopar import calibrate as cal
+from autopar.calibrate import collectives as cal_comm
+from autopar.calibrate import ops as cal_ops
+from autopar.calibrate import slowdown as cal_slowdown
+from autopar.calibrate import timing as cal_timing
 from autopar.cost import Profile
-from autopar.cost import calibrate as cal
 
 META = torch.device("meta")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -44,8 +48,8 @@ class _Devices(TorchDispatchMode):
 
 def test_cpu_timer_is_the_host_clock(monkeypatch):
     clock = iter([10.0, 10.25, 11.0])
-    monkeypatch.setattr(cal.time, "perf_counter", lambda: next(clock))
-    timer = cal._Timer(torch.device("cpu"))
+    monkeypatch.setattr(cal_timing.time, "perf_counter", lambda: next(clock))
+    timer = cal_timing.Timer(torch.device("cpu"))
     assert timer.start() == 10.0
     assert timer.stop() == 0.25                   # its own reading
     assert timer.stop(now=10.5) == 0.5            # the caller's reading
@@ -53,11 +57,11 @@ def test_cpu_timer_is_the_host_clock(monkeypatch):
 
 def test_batch_and_call_probes_time_on_the_cpu_as_before():
     calls = []
-    probe = cal._batch_probe(lambda: (calls.append(1), time.sleep(0.002)), 0.01)
+    probe = cal_timing.batch_probe(lambda: (calls.append(1), time.sleep(0.002)), 0.01)
     assert probe() == pytest.approx(0.002, abs=2e-3) and len(calls) >= 3
     x = torch.zeros(4)
     lead = lambda: time.sleep(0.003)  # noqa: E731
-    call = cal._call_probe(lambda t: time.sleep(0.001), x, lead)
+    call = cal_timing.call_probe(lambda t: time.sleep(0.001), x, lead)
     assert call() == pytest.approx(0.004, abs=3e-3)
 
 
@@ -99,9 +103,9 @@ def test_link_kind_refuses_a_size_the_launch_cannot_have():
 
 def test_links_read_torchrun_ranks_per_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert cal._links(4) == {2: "intra-node", 4: "inter-node"}
+    assert cal_comm.links(4) == {2: "intra-node", 4: "inter-node"}
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert cal._links(4) == {2: "intra-node", 4: "intra-node"}
+    assert cal_comm.links(4) == {2: "intra-node", 4: "intra-node"}
 
 
 # ------------------------------------------------------------- probes on the device
@@ -112,8 +116,8 @@ def test_compute_and_op_probes_run_only_on_the_given_device():
     with _Devices() as devices:
         compute = cal.measure_compute(settings, META)
         ops = cal.measure_ops(settings, META)
-        slowdown = cal._slowdown_probes(settings, META)
-        lead = cal._lead(META)
+        slowdown = cal_slowdown._slowdown_probes(settings, META)
+        lead = cal_timing.lead(META)
         lead()
     assert devices.seen == {"meta"}
     assert compute["matmul"] and compute["pointwise"] and len(slowdown) == 3
@@ -125,9 +129,9 @@ def test_collective_probe_tensors_are_made_on_the_given_device(monkeypatch):
         ranks, group = (0, 1), None
 
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(cal, "bind_step", lambda comm, groups: (lambda t: t))
-    made = [cal._broadcast((4, 64), Axis(), META), cal._ping_pong((4, 64), Axis(), META),
-            *(cal._runtime_collective(kind, (4, 64), 2, 0, None, META)
+    monkeypatch.setattr(cal_comm, "bind_step", lambda comm, groups: (lambda t: t))
+    made = [cal_comm._broadcast((4, 64), Axis(), META), cal_comm._ping_pong((4, 64), Axis(), META),
+            *(cal_comm._runtime_collective(kind, (4, 64), 2, 0, None, META)
               for kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"))]
     assert all(x.device == META for _, x, _ in made)
 
@@ -137,10 +141,10 @@ def test_op_cases_off_the_cpu_leave_out_targets_without_a_kernel_there(monkeypat
         raise NotImplementedError("no kernel for meta")
     probed = dict(cal.op_probes.PROBED, **{"aten.none.default": (no_kernel, 1, True)})
     monkeypatch.setattr(cal.op_probes, "PROBED", probed)
-    targets = {target for target, _, _ in cal._op_cases(torch.float32, 1, META)}
+    targets = {target for target, _, _ in cal_ops._op_cases(torch.float32, 1, META)}
     assert "aten.gelu.default" in targets and "aten.none.default" not in targets
     with pytest.raises(NotImplementedError):      # on the CPU a failing probe is an error
-        cal._op_cases(torch.float32, 1, torch.device("cpu"))
+        cal_ops._op_cases(torch.float32, 1, torch.device("cpu"))
 
 
 def test_a_whole_calibration_on_another_device_records_it():
@@ -163,7 +167,7 @@ def test_the_cpu_is_calibrated_where_there_is_no_cuda(monkeypatch):
 def test_cuda_timer_times_the_kernel_not_its_launch():
     cuda = torch.device("cuda", 0)
     torch.cuda._sleep(1000)                       # warm up the context
-    timer = cal._Timer(cuda)
+    timer = cal_timing.Timer(cuda)
     timer.start()
     host = time.perf_counter()
     torch.cuda._sleep(int(5e7))                   # ~25 ms of GPU spinning, launched at once

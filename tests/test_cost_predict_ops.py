@@ -1,4 +1,4 @@
-"""Format 3 of the cost profile: per-op measured curves (``cost/op_probes.py``), the view
+"""Format 3 of the cost profile: per-op measured curves (``calibrate/op_probes.py``), the view
 cost, the slowdown relative to one process alone, the fixed-window probe, and the refusal
 of a format-2 profile."""
 from __future__ import annotations
@@ -12,8 +12,12 @@ import torch
 from pydantic import ValidationError
 
 from autopar import Engine, Strategy
-from autopar.cost import AlphaBeta, Curve, Profile, op_probes
-from autopar.cost.calibrate import _batch_probe, _op_curves, _slowdown, sweep
+from autopar.calibrate import op_probes
+from autopar.calibrate.fits import op_curves as _op_curves
+from autopar.calibrate.slowdown import relative_slowdown as _slowdown
+from autopar.calibrate.timing import batch_probe as _batch_probe
+from autopar.calibrate.timing import sweep
+from autopar.cost import AlphaBeta, Curve, Profile
 from autopar.cost.predict import op_seconds, op_size
 from autopar.ir import Op, OpKind, TensorType, Value
 from autopar.models import GPT, GPTConfig

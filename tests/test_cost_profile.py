@@ -11,8 +11,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+from autopar.calibrate import fit_alpha_beta, group_sizes, monotone_curve
 from autopar.cost import AlphaBeta, Curve, Profile, ProfileNotFound, default_profile
-from autopar.cost.calibrate import fit_alpha_beta, group_sizes, monotone_curve
 from autopar.cost.profile import COLLECTIVE_KINDS
 
 
@@ -207,7 +207,7 @@ def test_the_shipped_reference_profile_is_a_full_four_process_gloo_profile():
 
 
 def test_fits_of_groups_across_machines_are_kept_apart():
-    from autopar.cost.calibrate import _collective_fits
+    from autopar.calibrate.fits import collective_fits as _collective_fits
     points = [(1e3, 1e-4), (1e5, 2e-4), (1e6, 1.1e-3)]
     slow = [(b, 10 * t) for b, t in points]
     measured = {"collectives": {"all_reduce": {2: points, 4: slow}},

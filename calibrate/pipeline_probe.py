@@ -1,5 +1,5 @@
-"""Calibration's pipeline exchange: what the pipeline runtime's messages cost the jobs that
-post them, measured on a small real pipeline among the calibration processes.
+"""The pipeline runtime's costs: what its messages cost the jobs that post them,
+measured on a small real pipeline among the calibration processes.
 
 A pipelined step on P processes sharing the cores pays, per job and per message, for more
 than the timeline's latency: the send call (``runtime.p2p.P2PTransport.send``: c10d's
@@ -12,7 +12,7 @@ The exchange: the launch's processes in a line (process r is pp position r), eac
 its jobs of a 1F1B schedule of ``micro_batches`` (a forward receives from r - 1, computes,
 sends to r + 1; a backward the other way; messages in both directions at once), through
 the runtime's own ``P2PTransport`` with its posting order and a prefetch after every job.
-Every job computes ``_lead`` (ten 128^3 matmuls, ~1 ms alone) so the processes compete
+Every job computes ``timing.lead`` (ten 128^3 matmuls, ~1 ms alone) so the processes compete
 for the cores as training's do. Timed: every send call and every prefetch, one exchange
 per message size; their means over calls and processes (``mean_times``) are the profile's
 ``p2p_send`` (an alpha-beta line over the bytes) and ``pipeline_job_s``. Not measured: a
@@ -21,6 +21,7 @@ for a late message and the call's cost cannot be told apart).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Any, Callable
@@ -32,8 +33,11 @@ from ..pipeline.jobs import JobId, Message
 from ..pipeline.phases import Phase
 from ..pipeline.schedules import BACKWARD, FORWARD, Job, build_schedule
 from ..pipeline.timeline import play
+from ..runtime.p2p import P2PTransport
+from .settings import Settings
+from .timing import lead
 
-__all__ = ["measure_pipeline", "mean_times", "pipeline_messages"]
+__all__ = ["measure_pipeline", "measure_pipeline_on", "mean_times", "pipeline_messages"]
 
 
 def pipeline_messages(world: int, micro_batches: int) -> tuple[list[list[Job]], list[Message]]:
@@ -83,9 +87,8 @@ def measure_pipeline(message_bytes: tuple[int, ...], micro_batches: int, repeats
                      lead: Callable[[], object], transport: Callable[..., Any]
                      ) -> dict[str, list[float]]:
     """This process's call times of the exchange (module docstring): ``send:<bytes>`` per
-    size and ``prefetch``; each a list of seconds. ``transport``: the runtime's
-    ``P2PTransport`` class (passed in by ``cost.calibrate``, the one module of ``cost``
-    allowed to import the runtime)."""
+    size and ``prefetch``; each a list of seconds. ``transport``: makes the runtime's
+    ``P2PTransport`` (``_transport_on``), a CPU one asked for."""
     world, me = dist.get_world_size(), dist.get_rank()
     schedule, messages = pipeline_messages(world, micro_batches)
     times: dict[str, list[float]] = {"prefetch": []}
@@ -110,3 +113,21 @@ def mean_times(everyone: list[dict[str, list[float]]]) -> dict[str, float]:
     and a step pays for every call, the slow ones included."""
     keys = everyone[0].keys()
     return {k: statistics.fmean([t for p in everyone for t in p[k]] or [0.0]) for k in keys}
+
+
+def _transport_on(device: torch.device) -> Callable[..., P2PTransport]:
+    """The runtime's transport, made for ``device`` (``measure_pipeline`` asks for a CPU one)."""
+    if device.type == "cpu":
+        return P2PTransport
+
+    def make(messages, me, peers, shapes, _cpu, **options) -> P2PTransport:
+        return P2PTransport(messages, me, peers, shapes, device, **options)
+    return make
+
+
+def measure_pipeline_on(settings: Settings, device: torch.device) -> dict[str, list[float]]:
+    """``measure_pipeline`` on ``device``: its messages made there (it makes them without a
+    device, so ``device`` is the default of new tensors while it runs, off the CPU)."""
+    with torch.no_grad(), (device if device.type != "cpu" else contextlib.nullcontext()):
+        return measure_pipeline(settings.pipeline_bytes, settings.pipeline_micro_batches,
+                                settings.pipeline_repeats, lead(device), _transport_on(device))

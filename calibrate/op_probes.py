@@ -18,16 +18,11 @@ from typing import Any, Callable
 import torch
 
 from ..ir import Op, OpKind, TensorType, Value
-from ..ir.ops import resolve
+from .timing import kernel
 
 __all__ = ["PROBED", "VIEW_TARGETS", "cases", "view_cases", "ir_op", "Case"]
 
 Case = tuple[Callable[[], object], Op]
-
-
-def _kernel(target: str) -> Callable:
-    fn = resolve(target)
-    return getattr(fn, "_op", fn)
 
 
 def _value(obj: Any) -> Any:
@@ -49,7 +44,7 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
 def ir_op(target: str, args: tuple, kwargs: dict | None = None) -> Case:
     """Call ``target`` once (a warm-up that also gives the outputs' shapes) and return
     ``(a callable repeating the call, the IR op of the call)``."""
-    fn, kwargs = _kernel(target), kwargs or {}
+    fn, kwargs = kernel(target), kwargs or {}
     outputs = [Value(TensorType(tuple(t.shape), t.dtype))
                for t in _flat_tensors(fn(*args, **kwargs))]
     op = Op(OpKind.CALL, target, args=_value(args), kwargs=_value(kwargs), outputs=outputs)
@@ -189,5 +184,5 @@ def view_cases() -> list[Callable[[], object]]:
     """Calls of the common view ops on a small tensor: they move no data, their cost is
     aten's dispatch and the view's metadata."""
     x = torch.randn(16, 16)
-    view, t, transpose = (_kernel(target) for target in VIEW_TARGETS)
+    view, t, transpose = (kernel(target) for target in VIEW_TARGETS)
     return [lambda: view(x, [4, 64]), lambda: t(x), lambda: transpose(x, 0, 1)]
