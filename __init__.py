@@ -9,7 +9,8 @@ in pyproject.toml); ``"0.0.0+unknown"`` where autopar is imported without being 
 from importlib import metadata as _metadata
 
 from .annotations import shard_tensor
-from .engine import Engine, PackedDataset, callbacks
+from .data import PackedDataset
+from .engine import Engine, callbacks
 from .ir.dist import Partial, ProcessMesh, Replicate, Shard
 from .strategy import Strategy
 

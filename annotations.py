@@ -8,18 +8,13 @@ runs as plain torch.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from .ir.annotation import encode
+from .ir.annotation import encode, param_annotation, record_param_annotation
 from .ir.dist import DistAttr, Placement, ProcessMesh
-
-# Parameters annotated before planning: id(tensor) -> (weak ref, placement). Keyed by id
-# (tensors compare elementwise); the weak ref tells a dead tensor from a reused id.
-_PARAM_ANNOTATIONS: dict[int, tuple[weakref.ref, DistAttr]] = {}
 
 
 def shard_tensor(tensor: torch.Tensor, mesh: ProcessMesh,
@@ -31,15 +26,8 @@ def shard_tensor(tensor: torch.Tensor, mesh: ProcessMesh,
     if get_proxy_mode() is not None:      # inside autopar's capture: an IR annotation op
         return torch.ops.autopar.annotate(tensor, encode(dist))
     if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
-        key = id(tensor)
-        _PARAM_ANNOTATIONS[key] = (weakref.ref(tensor, lambda _: _PARAM_ANNOTATIONS.pop(key, None)),
-                                   dist)
+        record_param_annotation(tensor, dist)
     return tensor
-
-
-def param_annotation(tensor: torch.Tensor) -> DistAttr | None:
-    ref, dist = _PARAM_ANNOTATIONS.get(id(tensor), (None, None))
-    return dist if ref is not None and ref() is tensor else None
 
 
 __all__ = ["shard_tensor", "param_annotation"]

@@ -1,7 +1,9 @@
 """Applying the placement ILP: capture a training step, run the passes that pin placements
 (annotations, the strategy's batch sharding), solve, and pin the chosen placements of the
 values that start the program, so the normal pipeline (completion, reshard, lowering) then
-makes the plan from them.
+makes the plan from them. The step is captured and given its planning inputs by the step
+planner itself (``StepPlanner.capture``, ``plan_inputs``): the ILP sees the program that
+runs (amp's casts, ring attention, the micro-batch count).
 
 Only starts (parameters, optimizer states, inputs) are pinned: completion derives every op
 from them, as it does from a hand-written plan; where its greedy choice for an intermediate
@@ -9,21 +11,22 @@ op differs from the ILP's, the program is still correct, only possibly dearer.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ..capture.step import capture
 from ..cost.profile import Profile
 from ..ir import OpKind, Program
 from ..ir.attrs import NAME
 from ..ir.dist import DistAttr
 from ..ir.reason import Reason
-from ..pass_infra.context import PassContext, PlanInputs
+from ..pass_infra.context import PassContext
 from ..pass_infra.manager import PassManager
 from ..pass_infra.pinning import pin
 from ..passes import PIPELINE
+from ..planner import StepPlanner
 from ..strategy import Strategy
 from .placement_ilp import PlacementChoice, solve_placements
 from .tp_plan import tensor_parallel_plan_of
@@ -49,11 +52,14 @@ def placed_program(model: torch.nn.Module, loss: Callable | None,
                    labels: Any, annotations: dict[str, DistAttr] | None = None
                    ) -> tuple[Program, PassContext]:
     """The captured training step after every pass before completion: the values the
-    strategy and annotations pin are placed, the rest are not."""
-    captured = capture(model, loss, inputs, labels, mode="train")
-    names = {id(p): n for n, p in model.named_parameters()}
-    ctx = PassContext(PlanInputs.of(strategy, mode="train", optimizer=optimizer,
-                                    param_names=names, param_annotations=annotations or {}))
+    strategy and annotations pin are placed, the rest are not. ``annotations``: the
+    parameters' placements (default: their ``shard_tensor`` annotations, as planned)."""
+    planner = StepPlanner(model, loss, optimizer, strategy)
+    captured = planner.capture("train", inputs, labels)
+    plan_inputs = planner.plan_inputs("train", inputs)
+    if annotations is not None:
+        plan_inputs = dataclasses.replace(plan_inputs, param_annotations=annotations)
+    ctx = PassContext(plan_inputs)
     until = next(i for i, p in enumerate(PIPELINE) if p.name == "completion")
     program = PassManager(passes=PIPELINE[:until], verify=False).run(captured.program, ctx)
     return program, ctx

@@ -1,7 +1,6 @@
 """One candidate strategy's predicted step time and memory: planned (capture, passes,
-lowering of every rank) exactly as the engine plans it, then ``cost.predict`` and the
-plan-time memory estimate (``lower.memory_estimate``). The engine supplies that planning as a
-``PlanFn`` (the planner sits above this package).
+lowering of every rank) by the step planner the engine plans with (``StepPlanner``), then
+``cost.predict`` and the plan-time memory estimate (``lower.memory_estimate``).
 
 Repeated layers are planned once, in effect: a model with a repeated stack of ``L`` layers
 is planned cut to ``k1 = pp`` and ``k2 = 2 pp`` layers (one and two per pipeline stage) and
@@ -13,15 +12,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from ..cost import Profile
+from ..planner import StepPlanner
 from ..strategy import Strategy
 from .space import Layout
 from .truncate import RepeatedStack, cut_model, cut_optimizer
 
-__all__ = ["Estimate", "Measured", "PlanFn", "evaluate"]
+__all__ = ["Estimate", "Measured", "PlanFn", "evaluate", "plan_and_predict"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,24 @@ class Measured:
 
 
 # plans a training step of (model, optimizer, strategy) on the sample batch for every rank
-# and predicts it
+# and predicts it (``plan_and_predict`` with the batch and profile bound)
 PlanFn = Callable[[torch.nn.Module, torch.optim.Optimizer, Strategy], Measured]
+
+
+def plan_and_predict(loss: Callable | None, inputs: Any, labels: Any, profile: Profile
+                     ) -> PlanFn:
+    """The planning of one candidate: a training step, predicted for every rank (lowering
+    one per class of identical ranks)."""
+    def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             strategy: Strategy) -> Measured:
+        planner = StepPlanner(model, loss, optimizer, strategy)
+        step = planner.plan("train", inputs, labels)
+        timed = planner.time(step, profile)
+        slowest = max(timed.processes.values(), key=lambda t: t.finish_s)
+        memory = planner.memory(step)
+        return Measured(timed.step_s, slowest.compute_s, slowest.comm_s, timed.bubble,
+                        {r: float(m.peak) for r, m in memory.items()})
+    return plan
 
 
 @dataclass

@@ -1,10 +1,10 @@
-"""``auto:`` in a strategy: the engine asks the planner (``autopar.auto.search``) for the
-strategy to run, on the first batch it sees (the planner needs its shapes), and from then on
+"""``auto:`` in a strategy: the engine asks the auto search (``auto.search``) for the
+strategy to run, on the first batch it sees (the search needs its shapes), and from then on
 plans and runs that strategy as if the user had written it.
 
-The planner plans each candidate the way the engine does (``plan_and_predict``: a
-``Planner`` lowering every rank, ``cost.predict`` and the memory estimate), which is why the
-search is handed that function rather than importing the engine.
+The search plans each candidate with the step planner the engine plans with
+(``auto.evaluate.plan_and_predict``: a ``StepPlanner``, ``cost.predict`` and the memory
+estimate), so what it costs is what runs.
 """
 from __future__ import annotations
 
@@ -12,15 +12,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..annotations import param_annotation
-from ..auto import AutoPlan, Measured, Problem, search_strategy
+from ..capture import batch_size_of
 from ..cost import Profile, ProfileNotFound, default_profile, default_profile_path
-from ..pass_infra import ParallelLayout
+from ..ir.annotation import param_annotations
 from ..strategy import Strategy
-from .data import batch_size_of
-from .planner import Planner
+from .search import AutoPlan, Problem, search_strategy
 
-__all__ = ["plan_auto", "auto_profile", "plan_and_predict", "with_auto"]
+__all__ = ["plan_auto", "auto_profile", "with_auto"]
 
 # the sections that fix a parallel layout: the planner's to choose under ``--auto``
 LAYOUT_SECTIONS = ("mesh", "data_parallel", "tensor_parallel", "pipeline", "sharding",
@@ -66,22 +64,6 @@ def _on_nodes(profile: Profile, nodes: int, devices: int) -> tuple[Profile, str]
                      "launch for their own fits)")
 
 
-def plan_and_predict(loss: Callable | None, inputs: Any, labels: Any, profile: Profile
-                     ) -> Callable[[torch.nn.Module, torch.optim.Optimizer, Strategy], Measured]:
-    """The planning of one candidate: a training step, predicted for every rank (lowering
-    one per class of identical ranks)."""
-    def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             strategy: Strategy) -> Measured:
-        planner = Planner(model, loss, optimizer, strategy, ParallelLayout.of(strategy))
-        step = planner.plan("train", inputs, labels)
-        timed = planner.time(step, profile)
-        slowest = max(timed.processes.values(), key=lambda t: t.finish_s)
-        memory = planner.memory(step)
-        return Measured(timed.step_s, slowest.compute_s, slowest.comm_s, timed.bubble,
-                        {r: float(m.peak) for r, m in memory.items()})
-    return plan
-
-
 def plan_auto(model: torch.nn.Module, loss: Callable | None,
               optimizer: torch.optim.Optimizer | None, strategy: Strategy, inputs: Any,
               labels: Any) -> AutoPlan:
@@ -92,10 +74,6 @@ def plan_auto(model: torch.nn.Module, loss: Callable | None,
     profile, note = auto_profile(strategy)
     profile, nodes_note = _on_nodes(profile, strategy.auto.nodes, strategy.auto.devices)
     note = "; ".join(n for n in (note, nodes_note) if n)
-    annotations = {name: dist for name, p in model.named_parameters()
-                   if (dist := param_annotation(p)) is not None}
-    batch_dim = strategy.batch_dim
     problem = Problem(model, loss, optimizer, inputs, labels,
-                      batch_size_of(inputs, batch_dim), annotations,
-                      plan_and_predict(loss, inputs, labels, profile))
+                      batch_size_of(inputs, strategy.batch_dim), param_annotations(model))
     return search_strategy(problem, strategy, profile, note)

@@ -33,7 +33,7 @@ from ..ir.reason import Reason
 from ..pass_infra.pinning import pin
 from ..strategy import Strategy
 from .apply import placed_program
-from .evaluate import Estimate, PlanFn, evaluate
+from .evaluate import Estimate, evaluate, plan_and_predict
 from .placement_ilp import PlacementChoice, solve_placements
 from .report import format_auto_plan
 from .space import Constraints, Layout, base_layouts, layout_strategy, memory_variants
@@ -48,8 +48,7 @@ FASTEST_TRIED_WITH_ZERO = 3
 @dataclass
 class Problem:
     """What is being planned: the model, loss, optimizer, a sample global batch (``rows``
-    along the batch dim), the parameters' ``shard_tensor`` annotations, and ``plan``: the
-    engine's planning of one strategy for every rank, with its prediction."""
+    along the batch dim) and the parameters' ``shard_tensor`` annotations."""
 
     model: torch.nn.Module
     loss: Callable | None
@@ -58,7 +57,6 @@ class Problem:
     labels: Any
     rows: int
     annotations: dict[str, DistAttr]
-    plan: PlanFn
 
 
 @dataclass(frozen=True)
@@ -175,6 +173,7 @@ class _Search:
         self.limit, self.limit_gb, self.start = limit, limit_gb, start
         self.fixed = Constraints.of(strategy, problem.annotations)
         self.stack = find_repeated_stack(problem.model)
+        self.plan = plan_and_predict(problem.loss, problem.inputs, problem.labels, profile)
         self.done: dict[Layout, Estimate] = {}
         self.tp: dict[int, TensorParallelChoice] = {}
         self.skipped: list[str] = []
@@ -202,7 +201,7 @@ class _Search:
         # search wants its prediction to rank it
         strategy = layout_strategy(layout, self.strategy, self.fixed, plan, self.stack, None)
         p = self.problem
-        self.done[layout] = evaluate(layout, strategy, p.model, p.optimizer, p.plan,
+        self.done[layout] = evaluate(layout, strategy, p.model, p.optimizer, self.plan,
                                      self.stack, self.limit)
         return True
 
@@ -210,7 +209,7 @@ class _Search:
         """Plan an extended estimate on the whole model and judge it again."""
         extended = estimate.predicted
         p = self.problem
-        whole = evaluate(estimate.layout, estimate.strategy, p.model, p.optimizer, p.plan,
+        whole = evaluate(estimate.layout, estimate.strategy, p.model, p.optimizer, self.plan,
                          None, self.limit)
         estimate.seconds += whole.seconds
         if whole.predicted is None:

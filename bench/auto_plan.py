@@ -38,8 +38,8 @@ from cost_model import sized_gpt  # noqa: E402
 from ranks import finish, in_rank, init, launch  # noqa: E402
 
 import autopar as ap  # noqa: E402
+from autopar.auto import plan_auto  # noqa: E402
 from autopar.auto.report import compact_yaml, format_auto_plan  # noqa: E402
-from autopar.engine.auto_strategy import plan_auto  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
 
 WORLD, TARGET = 4, 0.10

@@ -1,6 +1,6 @@
 """Packing: real (non-padding) tokens per second of our GPT trained through ``Engine.fit``
 (serial, one thread) on documents of random lengths, packed several to a row
-(``engine/packing.py``: rows of ``--row`` tokens, attention kept inside each document)
+(``data/packing.py``: rows of ``--row`` tokens, attention kept inside each document)
 against the same documents one per row, each batch padded to its longest document and the
 engine's ``data: {seq_buckets}`` padding it on to a bucket; each next to eager torch on the
 same batches in the same run.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import autopar as ap
-from autopar.engine.packing import IGNORE_INDEX, PackedDataset
+from autopar.data.packing import IGNORE_INDEX, PackedDataset
 from autopar.models import GPT, GPTConfig
 from autopar.models.gpt import lm_loss
 

@@ -20,6 +20,7 @@ from .step import (
     StepSpec,
     batch_dim_of,
     batch_paths,
+    batch_size_of,
     call_model,
     capture,
     flatten_batch,
@@ -28,4 +29,4 @@ from .step import (
 
 __all__ = ["FULL_PRECISION", "Precision", "CaptureError", "CaptureNote", "Captured",
            "StepSpec", "BatchDimError", "RingAttentionError", "batch_dim_of", "batch_paths",
-           "call_model", "capture", "flatten_batch", "loss_from_output"]
+           "batch_size_of", "call_model", "capture", "flatten_batch", "loss_from_output"]

@@ -290,6 +290,16 @@ def batch_dim_of(spec: int | dict[str, int], path: str, shape: tuple[int, ...]) 
     return dim
 
 
+def batch_size_of(inputs: Any, batch_dim: int | dict[str, int] = 0) -> int:
+    """Rows of the batch: the size of the first input tensor's batch dim (the strategy's
+    ``batch_dim``)."""
+    leaves, _ = flatten_batch(inputs, None)
+    for path, leaf in zip(batch_paths(inputs, None), leaves):
+        if leaf.dim() > 0:
+            return int(leaf.shape[batch_dim_of(batch_dim, path, tuple(leaf.shape))])
+    return 1
+
+
 def trace_step(model: torch.nn.Module, loss_fn: Callable | None, inputs: Any, labels: Any,
                mode: str, precision: Precision | None = None, ring_pieces: int = 1
                ) -> tuple[fx.GraphModule, StepSpec, list[str], list[str], dict]:

@@ -7,8 +7,6 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset
 
-from ..capture import batch_dim_of, batch_paths, flatten_batch
-
 
 def _split_sample(batch: Any) -> tuple[Any, Any]:
     """A batch is ``(inputs, labels)``; anything else is inputs without labels."""
@@ -57,13 +55,3 @@ def on_device(pairs: Iterable[tuple[Any, Any]], device: torch.device
         ahead = moved
     if ahead is not None:
         yield ahead
-
-
-def batch_size_of(inputs: Any, batch_dim: int | dict[str, int] = 0) -> int:
-    """Rows of the batch: the size of the first input tensor's batch dim (the strategy's
-    ``batch_dim``)."""
-    leaves, _ = flatten_batch(inputs, None)
-    for path, leaf in zip(batch_paths(inputs, None), leaves):
-        if leaf.dim() > 0:
-            return int(leaf.shape[batch_dim_of(batch_dim, path, tuple(leaf.shape))])
-    return 1

@@ -23,10 +23,10 @@ from ..ir.attrs import COMM_TEXT
 from ..ir.dist import assemble, format_placements
 from ..ir.printer import value_names
 from ..lower.executable import Lowered
-from .seeding import draw_generator, forked_generator
-from .simulator import call_op, initial_value, simulate_step
+from ..runtime.seeding import draw_generator, forked_generator
+from ..runtime.simulator import call_op, initial_value, simulate_step
 
-__all__ = ["Divergence", "locate_divergence", "whole_values"]
+__all__ = ["Divergence", "locate_in_plan", "whole_values"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float] | None:
     return (got.to(want.dtype) - want).abs().max().item(), want.abs().max().item()
 
 
-def locate_divergence(lowered: Lowered, feeds: dict[str, Any], state: dict[str, Any],
+def locate_in_plan(lowered: Lowered, feeds: dict[str, Any], state: dict[str, Any],
                       seed: int | None = None, rtol: float = 1e-4,
                       atol: float = 1e-5) -> Divergence | None:
     """The first op of one step of ``lowered`` (every process lowered, no pipeline) whose
@@ -185,7 +185,7 @@ def whole_values(lowered: Lowered, feeds: dict[str, Any], state: dict[str, Any],
     """Every value of one step of ``lowered``'s global program on whole tensors (each comm
     op the identity: the one device the plan stands for), random ops drawing in program
     order from the generator seeded ``seed``. ``state`` is not changed. What eager torch is
-    compared with (``engine.eager_reference``)."""
+    compared with (``divergence.eager_reference``)."""
     whole = _Reference(lowered, feeds, state, 0.0, 0.0)
     with forked_generator(seed), torch.no_grad():
         for op in lowered.program.ops:

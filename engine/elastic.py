@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
+from ..auto import with_auto
 from ..strategy import Strategy
-from .auto_strategy import with_auto
 
 __all__ = ["resized", "ResizeError"]
 

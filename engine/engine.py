@@ -1,13 +1,12 @@
 """Engine: the user's model, loss and optimizer in; fit / evaluate / predict out.
 
-Read top to bottom: a batch arrives, the engine finds (or plans) the step for its shapes
-(``Planner``: capture -> passes -> lowering), gets that step's executor from its runtime
-(this process alone, every rank simulated, or this rank of real processes), feeds it, and
-records the loss.
+Read top to bottom: a batch arrives from the data feed (``autopar.data``), the engine finds
+(or plans) the step for its shapes (the step planner, ``autopar.planner``: capture ->
+passes -> lowering), gets that step's executor from its runtime (this process alone, every
+rank simulated, or this rank of real processes), feeds it, and records the loss.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import warnings
@@ -16,67 +15,37 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils import _pytree as pytree
 
-from ..auto import AutoPlan, format_auto_plan
-from ..capture import StepSpec, batch_paths, flatten_batch
+from ..auto import AutoPlan, auto_profile, format_auto_plan, plan_auto, with_auto
 from ..checkpoint import latest_checkpoint
 from ..cost import Profile, StepTime, default_profile
-from ..ir import Program, Slot, value_names
-from ..lower import lower_program
-from ..pass_infra import ParallelLayout, explain_value, summarize
-from ..passes import pass_manager
+from ..data import FEED_SECTIONS, Feed, steps_in
+from ..divergence import Divergence, EagerDivergence, EagerModel, locate_divergence
+from ..ir import Program, Slot
+from ..pass_infra import explain_value, summarize
 from ..pipeline import chrome_trace
-from ..runtime import (
-    RUNTIME_SECTIONS,
-    DistributedRuntime,
-    Divergence,
-    LocalRuntime,
-    compile_seconds,
-    locate_divergence,
-    resolve_device,
-    whole_values,
-)
+from ..planner import PlanMade, PlannedStep, StepCost, StepPlanner, planned_sections
+from ..runtime import DistributedRuntime, LocalRuntime, compile_seconds, resolve_device
 from ..state import (
     BackgroundSaver,
     RunRecord,
     TrainState,
     export_full,
     load_checkpoint,
+    place_model,
     save_checkpoint,
 )
 from ..strategy import Strategy
-from .auto_strategy import auto_profile, plan_auto, with_auto
 from .callbacks import Callback, CallbackList, LRMonitor, ModelCheckpoint, ProgressBar
-from .data import batch_size_of, make_loader, on_device, pairs
-from .data_position import (
-    DataPosition,
-    EpochReader,
-    loader_generators,
-    position_between_epochs,
-)
-from .eager_reference import EagerDivergence, compare_with_eager, run_eager
 from .elastic import resized
 from .launch import Launch
 from .offline import finish_offline_plan
-from .padding import Fit, cut_outputs, fit_batch
-from .planner import PlanMade, PlannedStep, Planner, StepCost
 from .readings import History, Reading, StepLogs
-from .streams import (
-    Fitting,
-    ReadShard,
-    agreed,
-    fed_rows,
-    joined,
-    shard_loader,
-    stand_in,
-    stream_shards,
-)
 
-# Sections the engine honours itself, besides those the passes implement
-# (``PassManager.sections``) and the runtime's (``compile``): ``auto`` is settled on the
-# first batch, before planning.
-ENGINE_SECTIONS: frozenset[str] = frozenset({"auto", "elastic", "data"})
+# Sections the engine honours itself, besides those the planner's passes and options
+# implement and the data feed's: ``auto`` is settled on the first batch, before planning;
+# ``elastic`` when the launch's world differs from the strategy's.
+ENGINE_SECTIONS: frozenset[str] = frozenset({"auto", "elastic"})
 
 Metric = Callable[[Any, Any], float]
 
@@ -111,12 +80,10 @@ class Engine:
                 self.strategy.debug).model_validate({**self.strategy.debug.model_dump(),
                                                      "dump_ranks": offline.dump_ranks})})
         self._resize()
-        self.strategy.check_supported(pass_manager().sections | RUNTIME_SECTIONS
-                                      | ENGINE_SECTIONS)
-        # ``auto``: the planner picks the strategy on the first batch (``_settle_auto``)
+        self.strategy.check_supported(planned_sections() | FEED_SECTIONS | ENGINE_SECTIONS)
+        # ``auto``: the search picks the strategy on the first batch (``_settle_auto``)
         self.auto_plan: AutoPlan | None = None
         self._check_auto_devices()
-        layout = ParallelLayout.of(self.strategy)
         self.dump_dir = self.launch.dump_dir(self.strategy)
         if self.strategy.debug.trace and self.dump_dir is None:
             raise ValueError("debug.trace writes <dump_dir>/pipeline_trace.json: set "
@@ -129,15 +96,11 @@ class Engine:
         # where every process computes: the model's parameters and buffers move there first
         self.device = resolve_device(self.strategy.device, self.launch.local_rank)
         offload = self.strategy.sharding.offload if self.strategy.sharding else None
-        _place(model, self.device, params_on_host=offload is not None and offload.params)
+        place_model(model, self.device, params_on_host=offload is not None and offload.params)
         if self.device.type == "cuda":        # float32 means float32 unless amp.tf32 says
             torch.backends.cuda.matmul.allow_tf32 = self.strategy.amp.tf32
             torch.backends.cudnn.allow_tf32 = self.strategy.amp.tf32
         self.state = TrainState(model, optimizer, lr_scheduler, init_fn)
-        # fit's data and its current epoch's reader: where the data stands (a checkpoint's)
-        self._train_data: Any = None
-        self._reader: EpochReader | None = None
-        self._reading: ReadShard | None = None   # a real process's shard of a stream
         simulate = self.strategy.debug.simulate
         if self.launch.several(simulate):
             self.runtime = DistributedRuntime(
@@ -146,14 +109,16 @@ class Engine:
         else:
             self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size,
                                         self.device)
-        self.planner = self._planner(layout)
+        self.planner = self._planner()
+        self.feed = Feed(self.strategy, self.device, self.planner.layout.mesh,
+                         *((self.launch.rank, self.runtime.gather) if self.distributed
+                           else (None, None)))
         # the checkpoint written in the background (``save(async_save=True)``), if any
         self._background = BackgroundSaver(timedelta(seconds=self.strategy.collective_timeout_s))
         self.history = History()     # lists of floats by name (values join when read)
         self.stop_training = False   # a callback sets it; fit checks it after each batch
         self.last_compile_s = 0.0    # seconds the last step spent compiling (``compile:``)
         self.last_plan_s = 0.0       # seconds the last step spent planning (a new shape)
-        self._planned_rows: dict[str, int] = {}   # ``data.pad_rows``: each mode's first rows
         self.closed = False
 
     # how far the run has trained (the training state's ``Progress``)
@@ -185,11 +150,11 @@ class Engine:
     def lr_scheduler(self, scheduler: Any) -> None:
         self.state.lr_scheduler = scheduler
 
-    def _planner(self, layout: ParallelLayout) -> Planner:
-        return Planner(self.model, self.loss, self.optimizer, self.strategy, layout,
-                       dump_dir=self.dump_dir,
-                       process=self.launch.rank if self.distributed else None,
-                       every=self.strategy.debug.simulate)
+    def _planner(self) -> StepPlanner:
+        return StepPlanner(self.model, self.loss, self.optimizer, self.strategy,
+                           dump_dir=self.dump_dir,
+                           process=self.launch.rank if self.distributed else None,
+                           every=self.strategy.debug.simulate)
 
     def _resize(self) -> None:
         """An elastic restart on another world size: the strategy for the world launched
@@ -225,7 +190,8 @@ class Engine:
             print(format_auto_plan(self.auto_plan), flush=True)
         self.strategy = chosen
         self.dump_dir = self.launch.dump_dir(chosen)
-        self.planner = self._planner(ParallelLayout.of(chosen))
+        self.planner = self._planner()
+        self.feed.use(chosen, self.planner.layout.mesh)
 
     # -- planning -----------------------------------------------------------------------
     def prepare(self, inputs: Any, labels: Any = None, mode: str = "train",
@@ -234,7 +200,7 @@ class Engine:
         process, for any mesh size. Dumps are written; ``explain`` answers questions.
         ``accumulate_only``: gradient merge's program of the batches that only accumulate
         (the returned one is the cycle's last, which steps the optimizer)."""
-        inputs, labels, _ = self._shaped(mode, inputs, labels)
+        inputs, labels, _ = self.feed.shaped(mode, inputs, labels)
         self._settle_auto(inputs, labels)
         return _cycle_part(self.planner.plan(mode, inputs, labels), accumulate_only).program
 
@@ -247,7 +213,7 @@ class Engine:
         time (``predict_time``; on ``profile``, default this machine's calibrated one, else
         the shipped reference, said in ``.profile_note``); with ``compile:``, ``.compile_s``
         is the seconds the step's programs took to compile once it has run (None before)."""
-        inputs, labels, _ = self._shaped(mode, inputs, labels)
+        inputs, labels, _ = self.feed.shaped(mode, inputs, labels)
         self._settle_auto(inputs, labels)
         step = self.planner.plan(mode, inputs, labels)
         note = ""
@@ -265,7 +231,7 @@ class Engine:
         autopar calibrate``): per rank, compute, exposed communication and op count, and the
         step's seconds, the slowest rank's (``cost.predict``)."""
         profile = profile if profile is not None else default_profile()
-        inputs, labels, _ = self._shaped(mode, inputs, labels)
+        inputs, labels, _ = self.feed.shaped(mode, inputs, labels)
         self._settle_auto(inputs, labels)
         return self.planner.time(self.planner.plan(mode, inputs, labels), profile)
 
@@ -309,35 +275,13 @@ class Engine:
         own reference shares."""
         self._settle_auto(inputs, labels)
         step = _cycle_part(self.planner.plan("train", inputs, labels), accumulate_only)
-        facts = step.facts
-        lowered = lower_program(step.program, facts.mesh, None, None)
         self.state.materialize()
-        state = dict(self.state.tensors)
-        for name, piece in next(iter(lowered.processes.values())).state.items():
-            if name not in state and piece.const is None:
-                state[name] = self.state.initial(piece)
-        seed = self.strategy.seed if seed is None else seed
-        feeds = self._feeds(inputs, labels, "train")
-        if reference == "eager":
-            return self._against_eager(lowered, feeds, state, inputs, labels, seed)
-        if reference != "plan":
-            raise ValueError(f"locate_divergence: reference={reference!r} is not 'plan' (the "
-                             "plan's own program on one device) or 'eager' (the model run "
-                             "eagerly)")
-        return locate_divergence(lowered, feeds, state, seed=seed, rtol=rtol, atol=atol)
-
-    def _against_eager(self, lowered, feeds, state, inputs, labels, seed: int
-                       ) -> EagerDivergence | None:
-        amp = self.strategy.amp
-        if amp.is_enabled and amp.level != "O1":
-            raise ValueError(f"locate_divergence(reference='eager'): amp level {amp.level} "
-                             "casts the parameters themselves, which eager torch has no "
-                             "counterpart of; compare under level O1 (torch.autocast)")
-        eager = run_eager(self.model, self.loss, inputs, labels, seed,
-                          getattr(torch, amp.dtype) if amp.is_enabled else None)
-        values = whole_values(lowered, feeds, state, seed)
-        return compare_with_eager(lowered.program, values, eager,
-                                  value_names(lowered.program))
+        eager = EagerModel(self.model, self.loss, inputs, labels, self.strategy.amp) \
+            if reference == "eager" else None
+        return locate_divergence(step.program, step.facts.mesh, self.state.tensors,
+                                 self.state.initial, self._feeds(inputs, labels, "train"),
+                                 self.strategy.seed if seed is None else seed,
+                                 reference=reference, rtol=rtol, atol=atol, eager=eager)
 
     @property
     def distributed(self) -> bool:
@@ -366,23 +310,6 @@ class Engine:
                 step.executor.keep_trace()
         return step
 
-    def _shaped(self, mode: str, inputs: Any, labels: Any) -> tuple[Any, Any, Fit]:
-        """The batch padded to a planned shape (``data:``), its tensors contiguous: a plan
-        is traced on one batch's layout (a ``view`` of a contiguous label tensor) and must
-        run every batch of its shapes, whatever their strides (``y = tokens[:, 1:]``)."""
-        data = self.strategy.data
-        inputs, labels = pytree.tree_map(
-            lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, (inputs, labels))
-        if not data.is_enabled:
-            return inputs, labels, Fit()
-        rows = None
-        if data.pad_rows:
-            rows = self._planned_rows.setdefault(
-                mode, batch_size_of(inputs, self.strategy.batch_dim))
-        return fit_batch(inputs, labels, seq_dim=data.seq_dim, buckets=data.seq_buckets,
-                         multiple=data.pad_to_multiple, rows=rows, pad_id=data.pad_id,
-                         ignore_index=data.ignore_index, batch_dim=self.strategy.batch_dim)
-
     def _record_plan(self, made: list[PlanMade]) -> None:
         """A step that planned a new program says how long that took (the history's
         ``plan_s``, the step's log line) and for which shapes (``engine.planner.made``)."""
@@ -390,22 +317,13 @@ class Engine:
         if made:
             self.history.setdefault("plan_s", []).append(self.last_plan_s)
 
-    def _feeds(self, inputs: Any, labels: Any, mode: str, shard: ReadShard | None = None
+    def _feeds(self, inputs: Any, labels: Any, mode: str, shard: bool = False
                ) -> dict[str, Any]:
-        """The step's feeds: the batch's tensors on the device (copied without blocking: from
-        pinned memory the copy overlaps the host's next work), the param groups. Random ops
-        draw on that device from here (engines in one process may use different ones).
-        ``shard``: the batch is this process's rows of the global one."""
+        """The step's feeds (``Feed.feeds``): random ops draw on the engine's device from
+        here (engines in one process may use different ones)."""
         self.runtime.draw_on_device()
-        leaves = [_on(t, self.device) for t in flatten_batch(inputs, labels)[0]]
-        if shard is not None:
-            leaves = fed_rows(leaves, batch_paths(inputs, labels), shard,
-                              self.strategy.batch_dim)
-        feeds = {f"batch/{i}": t for i, t in enumerate(leaves)}
-        if mode == "train":
-            feeds.update({f"param_groups/{i}": g
-                          for i, g in enumerate(self.optimizer.param_groups)})
-        return feeds
+        groups = self.optimizer.param_groups if mode == "train" else None
+        return self.feed.feeds(inputs, labels, groups, shard=shard)
 
     # -- one step -----------------------------------------------------------------------
     def train_step(self, inputs: Any, labels: Any = None) -> float:
@@ -420,9 +338,8 @@ class Engine:
 
     def _train(self, inputs: Any, labels: Any) -> Reading:
         """One training step, queued: its loss as a reading copied without blocking."""
-        inputs, labels, _ = self._shaped("train", inputs, labels)
-        step = self._ready("train", *(inputs, labels) if self._reading is None else stand_in(
-            inputs, labels, self._reading, self.strategy.batch_dim))
+        inputs, labels, _ = self.feed.shaped("train", inputs, labels)
+        step = self._ready("train", *self.feed.planning_batch(inputs, labels))
         batch = self.state.progress.batches_trained
         seed = self.strategy.seed + batch
         part = _cycle_part(step, not step.lowered.steps_optimizer(batch))
@@ -433,7 +350,7 @@ class Engine:
             if found is not None:
                 raise DivergenceError(str(found))
         compiled = compile_seconds(step.executor)
-        results = step.executor.run(self._feeds(inputs, labels, "train", self._reading),
+        results = step.executor.run(self._feeds(inputs, labels, "train", shard=True),
                                     seed=seed, batch=batch)
         self._record_compile(compile_seconds(step.executor) - compiled)
         self._record_reports(results)
@@ -472,16 +389,15 @@ class Engine:
                 self.history.add(slot.name, Reading(value))
 
     def _forward(self, mode: str, inputs: Any, labels: Any) -> tuple[Reading | None, Any]:
-        inputs, labels, fit = self._shaped(mode, inputs, labels)
+        inputs, labels, fit = self.feed.shaped(mode, inputs, labels)
         step = self._ready(mode, inputs, labels)
         compiled = compile_seconds(step.executor)
         results = step.executor.run(self._feeds(inputs, labels, mode))
         self._record_compile(compile_seconds(step.executor) - compiled)
         loss = results.get(Slot("loss"))
         outputs = [v for s, v in results.items() if s.kind == "output"]
-        planned = _rebuild(step.spec, outputs)
-        return (None if loss is None else Reading(loss)), cut_outputs(
-            planned, fit, self.strategy.batch_dim)
+        return (None if loss is None else Reading(loss)), self.feed.outputs(step.spec, outputs,
+                                                                            fit)
 
     # -- the Keras/Paddle-style loops ---------------------------------------------------
     def fit(self, train_data, batch_size: int = 1, epochs: int = 1,
@@ -528,24 +444,18 @@ class Engine:
         hooks = CallbackList([*saving, *(callbacks or [])], self, before=[LRMonitor()],
                              after=_progress(verbose, log_freq))
         hooks.set_params({"epochs": epochs, "verbose": verbose, "log_freq": log_freq,
-                          "steps": _steps_in(train_data, batch_size, steps_per_epoch)})
+                          "steps": steps_in(train_data, batch_size, steps_per_epoch)})
         self.stop_training = False
         # a loaded checkpoint's data position: the first epoch resumes from it
-        resume_data = DataPosition.from_bytes(progress.data) \
-            if loaded is not None and progress.data is not None else None
+        resume_data = self.feed.begin(train_data, progress.data, loaded, self.is_logging_rank)
         progress.data = None
-        if loaded is not None and loaded != (0, 0) and resume_data is None:
-            _warn_unseeded_loader(train_data, self.is_logging_rank)
-        self._train_data = train_data
         hooks.call("on_train_begin", {})
         for epoch in range(start, epochs):
             progress.epoch, progress.batch_in_epoch = epoch, skip
             hooks.call("on_epoch_begin", epoch, {})
-            self._reader = EpochReader(
-                self._epoch_loader(train_data, batch_size, collate_fn, shuffle, epoch),
-                _own_generators(train_data), resume_data)
-            first, resume_data = (skip + 1 if self._reader.continues else 1), None
-            data = on_device(self._agreed(pairs(self._reader.batches(first))), self.device)
+            data, first = self.feed.epoch(train_data, batch_size, collate_fn, shuffle, epoch,
+                                          skip, resume_data)
+            resume_data = None
             logs = {"loss": self._train_epoch(data, steps_per_epoch, hooks, skip, log_freq,
                                               first)}
             skip = 0
@@ -569,59 +479,10 @@ class Engine:
         self.history.settle()
         return self.history
 
-    def _batches(self, data, batch_size: int, collate_fn):
-        """Global batches on the engine's device, each copied while the step before runs."""
-        return on_device(pairs(make_loader(data, batch_size, collate_fn,
-                                           pin_memory=self.device.type == "cuda")),
-                         self.device)
-
-    def _epoch_loader(self, data, batch_size: int, collate_fn, shuffle: bool, epoch: int):
-        """One epoch's loader. A stream (an ``IterableDataset``) is read in shards by the
-        data-parallel processes (``engine.streams``): a real process reads its own, one
-        process running every rank (simulated, serial) reads them all side by side."""
-        pin = self.device.type == "cuda"
-        self._reading = None
-        if not isinstance(data, torch.utils.data.IterableDataset):
-            return make_loader(data, batch_size, collate_fn, shuffle,
-                               self.strategy.seed + epoch, pin)
-        if shuffle:
-            raise ValueError("fit(shuffle=True): a stream (IterableDataset) has no index to "
-                             "shuffle; shuffle inside the dataset (a seeded buffer)")
-        dp = self.strategy.data_parallel
-        axes = dp.mesh_axes if dp is not None and self.strategy.auto is None else ()
-        shards = stream_shards(axes, self.planner.layout.mesh,
-                               self.launch.rank if self.distributed else None, batch_size)
-        if len(shards) == 1:
-            self._reading = shards[0] if shards[0].count > 1 else None
-            return shard_loader(data, shards[0], collate_fn, pin)
-        return joined([shard_loader(data, s, collate_fn, pin) for s in shards],
-                      self.strategy.batch_dim, self._fitting())
-
-    def _fitting(self) -> Fitting:
-        """How the shards of a stream meet on one shape: padded as ``data:`` says."""
-        data = self.strategy.data
-        return Fitting(lambda x, y, n: fit_batch(
-            x, y, seq_dim=data.seq_dim, buckets=(n,), multiple=None, rows=None,
-            pad_id=data.pad_id, ignore_index=data.ignore_index,
-            batch_dim=self.strategy.batch_dim)[:2], data.seq_dim, data.pads_sequence)
-
-    def _agreed(self, batches):
-        """A real process's shard of a stream: its batches while every process has one,
-        fitted to the shape they agree on (``streams.agreed``)."""
-        if self._reading is None:
-            return batches
-        return agreed(batches, self._fitting(), self.runtime.gather)
-
     def _note_data_position(self) -> None:
-        """Where ``fit``'s data stands, for the checkpoint about to be written (none before
-        any fit)."""
-        progress, position = self.state.progress, None
-        if self._train_data is not None and progress.batch_in_epoch and self._reader:
-            position = self._reader.position(progress.batch_in_epoch)
-        elif self._train_data is not None:
-            position = position_between_epochs(self._train_data,
-                                               _own_generators(self._train_data))
-        progress.data = position.to_bytes() if position is not None else None
+        """Where ``fit``'s data stands, for the checkpoint about to be written."""
+        progress = self.state.progress
+        progress.data = self.feed.position(progress.batch_in_epoch)
 
     def _train_epoch(self, data, steps: int | None, hooks: CallbackList, skip: int = 0,
                      log_freq: int = 1, first: int = 1) -> float:
@@ -697,14 +558,14 @@ class Engine:
                   collate_fn: Callable | None, hooks: CallbackList) -> dict[str, float]:
         seen: list[tuple[StepLogs, int]] = []     # each batch's scores (read at the end)
         hooks.call("on_eval_begin", {})
-        data = self._batches(valid_data, batch_size, collate_fn)
+        data = self.feed.batches(valid_data, batch_size, collate_fn)
         for step, (inputs, labels) in enumerate(data, 1):
             if steps is not None and step > steps:
                 break
             loss, outputs = self._forward("eval", inputs, labels)
             scores = StepLogs({"loss": loss} if loss is not None else {})
             scores.update({name: float(fn(outputs, labels)) for name, fn in self.metrics.items()})
-            seen.append((scores, batch_size_of(inputs, self.strategy.batch_dim)))
+            seen.append((scores, self.feed.rows(inputs)))
             hooks.call("on_eval_step_end", step, scores)
         totals: dict[str, float] = {}
         for batch_scores, n in seen:
@@ -724,7 +585,7 @@ class Engine:
         hooks.set_params({"steps": steps, "verbose": verbose})
         hooks.call("on_predict_begin", {})
         outputs = []
-        data = self._batches(test_data, batch_size, collate_fn)
+        data = self.feed.batches(test_data, batch_size, collate_fn)
         for step, (inputs, labels) in enumerate(data, 1):
             if steps is not None and step > steps:
                 break
@@ -877,25 +738,6 @@ class Engine:
             path.write_text(json.dumps(chrome_trace(events)))
 
 
-def _own_generators(data: Any) -> list[torch.Generator]:
-    """The generators a user's loader draws its order from (one made here over a dataset is
-    seeded by its epoch)."""
-    return loader_generators(data) if isinstance(data, torch.utils.data.DataLoader) else []
-
-
-def _warn_unseeded_loader(data: Any, logging_rank: bool) -> None:
-    """Resuming from a checkpoint without a data position (written before autopar kept
-    one) replays an epoch's order up to its batch: a DataLoader that shuffles with the
-    global generator draws another order in a new process."""
-    sampler = getattr(data, "sampler", None)
-    if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None \
-            and logging_rank:
-        warnings.warn("resuming with a DataLoader that shuffles with torch's global generator: "
-                      "its order differs from the interrupted run's; give it "
-                      "generator=torch.Generator().manual_seed(...), or pass the dataset "
-                      "and fit(shuffle=True), which seeds each epoch", stacklevel=3)
-
-
 def _cycle_part(step: PlannedStep, accumulating: bool) -> PlannedStep:
     """A training step's plan, or with ``accumulating`` its gradient-merge cycle's
     accumulating one."""
@@ -907,45 +749,9 @@ def _cycle_part(step: PlannedStep, accumulating: bool) -> PlannedStep:
     return step.accumulating
 
 
-def _place(model: torch.nn.Module, device: torch.device, params_on_host: bool = False
-           ) -> None:
-    """Move the model's parameters and buffers to ``device`` in place (the optimizer keeps
-    the same parameter objects), unless already there; ``params_on_host``
-    (``sharding.offload.params``): the parameters go to the host instead. A model on the
-    meta device stays there: each process's pieces are drawn on the CPU, as
-    ``model.to_empty(device="cpu")`` + its init path draws them, and then placed where
-    they live (``runtime.at_home``)."""
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return
-    for module in model.modules():
-        for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[key] = buffer.to(device)
-        home = torch.device("cpu") if params_on_host else device
-        for param in module._parameters.values():
-            if param is not None and param.device != home:
-                param.data = param.data.to(home)
-
-
-def _on(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor) and value.device != device:
-        return value.to(device, non_blocking=True)
-    return value
-
-
 def _progress(verbose: int, log_freq: int) -> list[Callback]:
     """The default progress display (none when silent)."""
     return [ProgressBar(verbose, log_freq)] if verbose else []
-
-
-def _steps_in(data, batch_size: int, limit: int | None) -> int | None:
-    """Steps per epoch for the progress display, when the data has a length."""
-    try:
-        batches_in_data = len(data) if isinstance(data, torch.utils.data.DataLoader) \
-            else -(-len(data) // batch_size)
-    except TypeError:
-        return limit
-    return batches_in_data if limit is None else min(limit, batches_in_data)
 
 
 def _named_metrics(metrics) -> dict[str, Metric]:
@@ -954,13 +760,3 @@ def _named_metrics(metrics) -> dict[str, Metric]:
     if isinstance(metrics, dict):
         return dict(metrics)
     return {getattr(m, "__name__", f"metric{i}"): m for i, m in enumerate(metrics)}
-
-
-def _rebuild(spec: StepSpec, leaves: list[Any]) -> Any:
-    if spec.output_spec is None:
-        return None
-    tree = pytree.tree_unflatten(leaves, spec.output_spec)
-    kind = spec.output_type
-    if dataclasses.is_dataclass(kind) and isinstance(tree, dict):
-        return kind(**tree)
-    return tree

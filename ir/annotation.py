@@ -7,12 +7,36 @@ must be plain data. The annotation passes decode it back to a ``DistAttr``.
 from __future__ import annotations
 
 import json
+import weakref
 
 import torch
 
 from .dist import DistAttr, ProcessMesh, format_placements, parse_placements
 
 ANNOTATE_TARGET = "autopar.annotate.default"
+
+# Parameters annotated before planning: id(tensor) -> (weak ref, placement). Keyed by id
+# (tensors compare elementwise); the weak ref tells a dead tensor from a reused id.
+_PARAM_ANNOTATIONS: dict[int, tuple[weakref.ref, DistAttr]] = {}
+
+
+def record_param_annotation(tensor: torch.Tensor, dist: DistAttr) -> None:
+    """``shard_tensor`` on a parameter: its placement, read when a step is planned."""
+    key = id(tensor)
+    _PARAM_ANNOTATIONS[key] = (weakref.ref(tensor, lambda _: _PARAM_ANNOTATIONS.pop(key, None)),
+                               dist)
+
+
+def param_annotation(tensor: torch.Tensor) -> DistAttr | None:
+    """The placement ``shard_tensor`` gave this parameter, if any."""
+    ref, dist = _PARAM_ANNOTATIONS.get(id(tensor), (None, None))
+    return dist if ref is not None and ref() is tensor else None
+
+
+def param_annotations(model: torch.nn.Module) -> dict[str, DistAttr]:
+    """The annotated parameters of ``model`` by name."""
+    found = {name: param_annotation(p) for name, p in model.named_parameters()}
+    return {name: dist for name, dist in found.items() if dist is not None}
 
 
 def encode(dist: DistAttr) -> str:
@@ -43,4 +67,5 @@ def _annotate_backward(ctx, grad: torch.Tensor):
 
 annotate_op.register_autograd(_annotate_backward)
 
-__all__ = ["ANNOTATE_TARGET", "annotate_op", "encode", "decode"]
+__all__ = ["ANNOTATE_TARGET", "annotate_op", "encode", "decode", "param_annotation",
+           "param_annotations", "record_param_annotation"]

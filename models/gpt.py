@@ -1,7 +1,7 @@
 """A small GPT: token + position embedding, causal self-attention (SDPA or explicit
 softmax), GELU MLP, pre-LayerNorm, and an output head tied to the token embedding.
 
-Packed rows (several documents per row, ``engine/packing.py``) pass ``position_ids``: the
+Packed rows (several documents per row, ``data/packing.py``) pass ``position_ids``: the
 position embedding reads them and attention stays inside each document
 (``document_mask``)."""
 from __future__ import annotations

@@ -51,13 +51,14 @@ class PlanInputs:
     mode: str = "train"                          # train | eval | predict
     optimizer: torch.optim.Optimizer | None = None
     param_names: Mapping[int, str] = field(default_factory=dict)   # id(parameter) -> FQN
-    # the strategy's mesh and pipeline (``ParallelLayout.of(strategy)``), before the
-    # program's own annotations are looked at
+    # the strategy's mesh (``ParallelLayout.of(strategy)``), before the program's own
+    # annotations are looked at
     mesh: ProcessMesh | None = None
-    pipeline: PipelineLayout | None = None
-    # micro-batches this program uses (eval and predict may use fewer than training);
-    # None: the pipeline's own count
-    micro_batches: int | None = None
+    # the micro-batches this program cuts its batch into under a pipeline, as the step
+    # planner decided them (``planner.options.micro_batches``: the strategy's for training,
+    # eval and predict as many as divide their batch); ``settle_mesh`` lays the stages out
+    # with it. The only home of the count between the strategy and the pipeline fact.
+    micro_batches: int = 1
     # shard_tensor placements given to parameters before planning, by parameter FQN
     param_annotations: Mapping[str, DistAttr] = field(default_factory=dict)
     # where earlier programs of the same engine placed each parameter: a parameter keeps
@@ -70,10 +71,9 @@ class PlanInputs:
 
     @classmethod
     def of(cls, strategy: Strategy, **fields: Any) -> "PlanInputs":
-        """Inputs for ``strategy`` with its interpreted mesh and pipeline (``fields`` set
-        the rest)."""
-        layout = ParallelLayout.of(strategy)
-        return cls(strategy, mesh=layout.mesh, pipeline=layout.pipeline, **fields)
+        """Inputs for ``strategy`` with its interpreted mesh (``fields`` set the rest; a
+        pipelined program's ``micro_batches`` is the step planner's to decide)."""
+        return cls(strategy, mesh=ParallelLayout.of(strategy).mesh, **fields)
 
     @property
     def dump_prefix(self) -> str:

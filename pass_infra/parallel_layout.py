@@ -1,9 +1,15 @@
 """The strategy interpreted (torchtitan's ``ParallelDims``): its mesh as a ``ProcessMesh`` of
 ranks 0..n-1 and its pipeline's stage layout, with the checks that need them.
 
-``Strategy`` is pure data and checks only what its own fields say; what needs the mesh or a
-schedule's rules (a reserved dim name, enough micro-batches for 1F1B) is checked here, when
-the engine takes the strategy, before anything is planned or launched.
+``Strategy`` is pure data and checks only what its own fields say; what needs the mesh (a
+reserved dim name) is checked here, when the engine takes the strategy, before anything is
+planned or launched.
+
+The micro-batch count a program uses is not the layout's: the step planner checks the
+strategy's against its schedule's rules and decides each program's (``planner.options``:
+the strategy's for training, as many as divide an eval batch), and hands it to the passes in
+``PlanInputs.micro_batches``; ``settle_mesh`` lays the stages out with it
+(``pipeline_layout``).
 """
 from __future__ import annotations
 
@@ -13,16 +19,14 @@ import numpy as np
 
 from ..ir.dist import MICRO_BATCH_DIM, ProcessMesh
 from ..pipeline.layout import PipelineLayout
-from ..pipeline.schedules import check_schedule_args
 from ..strategy import Strategy
 
-__all__ = ["ParallelLayout"]
+__all__ = ["ParallelLayout", "pipeline_layout"]
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
     mesh: ProcessMesh | None            # None: serial (no mesh, or a mesh of one)
-    pipeline: PipelineLayout | None     # None: no pipeline, or stages from annotated meshes
 
     @classmethod
     def of(cls, strategy: Strategy) -> "ParallelLayout":
@@ -30,21 +34,15 @@ class ParallelLayout:
         if problems:
             raise ValueError(f"strategy does not fit its mesh ({strategy.describe_mesh()}):\n"
                              "  - " + "\n  - ".join(problems))
-        return cls(_process_mesh(strategy), _pipeline_layout(strategy))
+        return cls(_process_mesh(strategy))
 
 
 def _problems(strategy: Strategy) -> list[str]:
     problems = []
-    mesh, pipe = strategy.mesh, strategy.pipeline
+    mesh = strategy.mesh
     if mesh is not None and MICRO_BATCH_DIM in mesh.dim_names:
         problems.append(f"mesh dim name {MICRO_BATCH_DIM!r} is reserved for a pipeline's "
                         f"micro-batches (dim_names {list(mesh.dim_names)}); rename it")
-    if pipe is not None and mesh is not None and pipe.axis in mesh.dim_names:
-        try:
-            check_schedule_args(pipe.schedule, mesh.axis_size(pipe.axis), pipe.micro_batches,
-                                pipe.vpp_chunks)
-        except ValueError as err:
-            problems.append(f"pipeline: {err}")
     return problems
 
 
@@ -56,13 +54,13 @@ def _process_mesh(strategy: Strategy) -> ProcessMesh | None:
     return ProcessMesh(ids, strategy.mesh.dim_names)
 
 
-def _pipeline_layout(strategy: Strategy) -> PipelineLayout | None:
-    """The pipeline's stages on the strategy mesh; None without a pipeline section or when
-    its stages come from annotated meshes (no mesh)."""
+def pipeline_layout(strategy: Strategy, micro_batches: int) -> PipelineLayout | None:
+    """The pipeline's stages on the strategy mesh, for a program of ``micro_batches``; None
+    without a pipeline section or when its stages come from annotated meshes (no mesh)."""
     if strategy.pipeline is None or strategy.mesh is None:
         return None
     ids = np.arange(strategy.mesh.size).reshape(strategy.mesh.shape)
     mesh = ProcessMesh(ids, strategy.mesh.dim_names)
     pipe = strategy.pipeline
-    return PipelineLayout.from_mesh(mesh, pipe.axis, pipe.micro_batches, pipe.schedule,
+    return PipelineLayout.from_mesh(mesh, pipe.axis, micro_batches, pipe.schedule,
                                     pipe.vpp_chunks, pipe.split)

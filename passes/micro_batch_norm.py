@@ -43,8 +43,6 @@ def micro_batches_apart(ctx: PassContext) -> int:
     if pipe is None or pipe.batch_norm != "per_micro_batch" or ctx.inputs.mode != "train":
         return 0
     m = ctx.inputs.micro_batches
-    if m is None:
-        m = ctx.inputs.pipeline.micro_batches if ctx.inputs.pipeline else pipe.micro_batches
     if m > 1 and ctx.strategy.degree("data_parallel") > 1:
         raise MicroBatchNormError(
             "pipeline.batch_norm: per_micro_batch with data_parallel over "

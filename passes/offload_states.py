@@ -140,8 +140,10 @@ def _to_host(program: Program, value: Value, before: Op) -> Op:
     producer = value.producer
     role = Role.BACKWARD if producer is not None and producer.role is Role.BACKWARD \
         else Role.OPTIMIZER          # a gradient's copy is part of the backward that makes it
-    op = _copy_op("autopar.to_host", value, before, role)
-    if producer is not None and producer.kind in (OpKind.CALL, OpKind.COMM):
+    made = producer is not None and producer.kind in (OpKind.CALL, OpKind.COMM)
+    # the copy belongs to the module whose op it follows (a gradient's: its backward op's)
+    op = _copy_op("autopar.to_host", value, producer if made else before, role)
+    if made:
         return program.insert_after(producer, op)
     program.ops.insert(program.ops.index(before), op)
     op.outputs[0].producer, op.outputs[0].index = op, 0

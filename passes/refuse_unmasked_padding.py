@@ -1,7 +1,7 @@
 """Refuse sequence padding that a real position would read (``data: {seq_buckets |
 pad_to_multiple}``).
 
-The engine pads each batch's sequences at their end (``engine/padding.py``); the loss
+The engine pads each batch's sequences at their end (``data/padding.py``); the loss
 ignores the padded labels, and a position never reads a later one in a causal attention,
 nor a masked one. An attention that is neither causal nor given a mask (an SDPA call with
 ``is_causal=False`` and no ``attn_mask``, ring attention's blocks likewise) lets every real

@@ -21,6 +21,7 @@ from ..ir.annotation import ANNOTATE_TARGET, decode
 from ..ir.attrs import DIST, NAME
 from ..ir.dist import DistAttr, ProcessMesh
 from ..pass_infra.context import PassContext
+from ..pass_infra.parallel_layout import pipeline_layout
 from ..pass_infra.pinning import AnnotationError, trivial_dims_replicated
 from ..pipeline.layout import PipelineLayout
 from ..pipeline.phases import STAGE_HINT
@@ -80,14 +81,12 @@ def _settle_mesh(ctx: PassContext, traced: list[Op]) -> ProcessMesh | None:
 
 def _settle_pipeline(ctx: PassContext, traced: list[Op], program: Program,
                      params: dict[str, Value]) -> PipelineLayout | None:
-    pipeline = ctx.inputs.pipeline
     strategy = ctx.strategy
+    pipeline = pipeline_layout(strategy, ctx.inputs.micro_batches)
     if pipeline is None and strategy.mesh is None and (
             strategy.pipeline is not None
             or len({m for _, m in _annotated_meshes(ctx, traced)}) > 1):
         pipeline = _stages_from_meshes(ctx, traced, program, params)
-    if pipeline is not None and ctx.inputs.micro_batches is not None:
-        pipeline = pipeline.with_micro_batches(ctx.inputs.micro_batches)
     return pipeline
 
 
@@ -113,7 +112,7 @@ def _stages_from_meshes(ctx: PassContext, traced: list[Op], program: Program,
             "layers with shard_tensor on its own mesh, or give the strategy a mesh with the "
             "pipeline axis")
     meshes = sorted(first, key=first.get)
-    micro_batches = pipe.micro_batches if pipe is not None else 1
+    micro_batches = ctx.inputs.micro_batches
     schedule = pipe.schedule if pipe is not None else "FThenB"
     if pipe is not None and pipe.vpp_chunks > 1:
         raise AnnotationError("pipeline schedule VPP needs a strategy mesh with the pipeline "

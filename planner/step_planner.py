@@ -16,18 +16,16 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ..annotations import param_annotation
-from ..capture import Precision, StepSpec, capture, flatten_batch
+from ..capture import Captured, StepSpec, batch_size_of, capture, flatten_batch
 from ..cost import Profile, StepTime, predict_step
 from ..ir import NAME, ProcessMesh, Program, StateKind, format_program
+from ..ir.annotation import param_annotations
 from ..lower import (
-    CompileSpec,
     Dump,
     Lowered,
     MemoryEstimate,
@@ -41,10 +39,10 @@ from ..lower import (
 from ..pass_infra import ParallelLayout, PassContext, PlanInputs, PlanState
 from ..passes import pass_manager
 from ..strategy import Strategy
-from .data import batch_size_of
+from . import options
 from .plan_cache import PlanCache, plan_key
 
-__all__ = ["PlanMade", "PlannedStep", "Planner", "StepCost"]
+__all__ = ["PlanMade", "PlannedStep", "StepCost", "StepPlanner"]
 
 
 @dataclass(frozen=True)
@@ -107,28 +105,32 @@ class PlannedStep:
         self.mode = self.spec.mode
 
 
-class Planner:
+class StepPlanner:
     """Plans the steps of one model, loss and optimizer under one strategy.
 
     Which processes are lowered when planning: ``process`` only, on real processes; every
     one when ``every`` (simulating: it runs them all) and a one-process plan's; else the ones
     whose dumps are asked for (``debug.dump_ranks``), or none (a plan for several processes
     made in one that does not simulate is only inspected: nothing here can run it). The
-    reports (``memory``, ``time``) lower one process per class of identical ranks."""
+    reports (``memory``, ``time``) lower one process per class of identical ranks.
+
+    The auto search plans its candidates with this class too (``auto.evaluate``), so what
+    it costs is what runs."""
 
     def __init__(self, model: torch.nn.Module, loss: Callable | None,
-                 optimizer: torch.optim.Optimizer | None, strategy: Strategy,
-                 layout: ParallelLayout, *, dump_dir: str | None = None,
-                 process: int | None = None, every: bool = False):
+                 optimizer: torch.optim.Optimizer | None, strategy: Strategy, *,
+                 dump_dir: str | None = None, process: int | None = None,
+                 every: bool = False):
         self.model, self.loss, self.optimizer = model, loss, optimizer
-        self.strategy, self.layout = strategy, layout
+        self.strategy, self.layout = strategy, ParallelLayout.of(strategy)
+        options.check_micro_batches(strategy)
         self.dump_dir, self.process, self.every = dump_dir, process, every
         self.rank = process or 0
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.kept: dict[str, Any] = {}        # where earlier programs placed each parameter
         self.steps: dict[tuple, PlannedStep] = {}
         self.made: list[PlanMade] = []        # every plan made, in order
-        # ``plan_cache_dir``: planned programs on disk (``engine/plan_cache.py``)
+        # ``plan_cache_dir``: planned programs on disk (``planner/plan_cache.py``)
         self.cache = PlanCache(strategy.plan_cache_dir) if strategy.plan_cache_dir else None
         self.loaded = 0                       # plans the cache gave
 
@@ -158,13 +160,25 @@ class Planner:
         found = [step for (m, *_), step in self.steps.items() if m == mode]
         return found[-1] if found else None
 
-    def _plan(self, mode: str, inputs: Any, labels: Any, accumulate_only: bool) -> PlannedStep:
-        captured = capture(self.model, self.loss, inputs, labels, mode=mode,
-                           precision=self._precision(), ring_pieces=self._ring_pieces())
-        plan_inputs = PlanInputs(
+    def capture(self, mode: str, inputs: Any, labels: Any) -> Captured:
+        """The step traced as the strategy computes it (amp's precision, ring attention):
+        what the passes plan, and what the auto search's placement program sees."""
+        return capture(self.model, self.loss, inputs, labels, mode=mode,
+                       precision=options.precision(self.strategy),
+                       ring_pieces=options.ring_pieces(self.strategy, self.layout.mesh))
+
+    def plan_inputs(self, mode: str, inputs: Any, accumulate_only: bool = False
+                    ) -> PlanInputs:
+        """What the passes read for a program of this mode and batch."""
+        rows = batch_size_of(inputs, self.strategy.batch_dim)
+        return PlanInputs(
             self.strategy, mode, self.optimizer, self.param_names, self.layout.mesh,
-            self.layout.pipeline, self._micro_batches(mode, inputs), self._annotations(),
+            options.micro_batches(self.strategy, mode, rows), param_annotations(self.model),
             dict(self.kept), rank=self.rank, accumulate_only=accumulate_only)
+
+    def _plan(self, mode: str, inputs: Any, labels: Any, accumulate_only: bool) -> PlannedStep:
+        captured = self.capture(mode, inputs, labels)
+        plan_inputs = self.plan_inputs(mode, inputs, accumulate_only)
         key = self._cache_key(captured.program, plan_inputs)
         cached = None if key is None else self.cache.load(key)
         dump = None
@@ -188,7 +202,7 @@ class Planner:
                         dump.write(process, "memory", format_estimates({process: est}) + "\n")
             check_memory_limit(estimates, self.strategy.memory_limit_gb,
                                f"planning the {mode} step on {facts.mesh or 'one process'} "
-                               f"({self._sharding_text()})")
+                               f"({options.sharding_text(self.strategy)})")
         return step
 
     def _run_passes(self, captured: Program, plan_inputs: PlanInputs) -> tuple:
@@ -205,7 +219,8 @@ class Planner:
             self._dump_ranks(program, facts))
         lowered = lower_program(program, facts.mesh, facts.pipeline, facts.schedule,
                                 self._processes(facts, dump), dump,
-                                check=self.strategy.debug.verify, compile=self._compile(dump))
+                                check=self.strategy.debug.verify,
+                                compile=options.compile_spec(self.strategy, dump))
         return program, facts, dict(manager.timings), lowered, dump
 
     def _cache_key(self, captured: Program, plan_inputs: PlanInputs) -> str | None:
@@ -217,39 +232,6 @@ class Planner:
         fields["param_names"] = sorted(fields["param_names"].values())
         return plan_key(format_program(captured), **fields, process=self.process,
                         every=self.every)
-
-    def _ring_pieces(self) -> int:
-        """The chunks ring attention passes around (1: attention as the model calls it)."""
-        cp = self.strategy.context_parallel
-        if cp is None or cp.method != "ring" or self.layout.mesh is None:
-            return 1
-        return self.layout.mesh.shape[self.layout.mesh.dim_names.index(cp.axis)]
-
-    def _compile(self, dump: Dump | None) -> CompileSpec | None:
-        """The strategy's ``compile`` section as the runtime reads it (None: off); with a
-        dump, Inductor's code of each program goes next to the program's dump."""
-        config = self.strategy.compile
-        if not config.is_enabled:
-            return None
-        code = None
-        if dump is not None:       # braces of the directory's name kept out of the template
-            where = str(dump.dir).replace("{", "{{").replace("}", "}}")
-            code = str(Path(where) / "rank{process}"
-                       / f"{dump.prefix}{dump.number:02d}_compiled_{{name}}.py")
-        return CompileSpec(config.backend, config.mode, config.fallback, config.cache_dir, code)
-
-    def _precision(self) -> Precision | None:
-        """The strategy's ``amp`` section as capture computes it (None: off)."""
-        amp = self.strategy.amp
-        if not amp.is_enabled:
-            return None
-        return Precision(getattr(torch, amp.dtype), amp.level)
-
-    def _sharding_text(self) -> str:
-        sharding = self.strategy.sharding
-        if sharding is None or not sharding.is_enabled:
-            return "no ZeRO sharding: sharding: {stage: 1|2|3, axis: dp} cuts the state"
-        return f"ZeRO stage {sharding.stage} over {sharding.axis!r}"
 
     def memory(self, step: PlannedStep) -> dict[int, MemoryEstimate]:
         """Every process's plan-time memory estimate (lowering the ones not lowered yet,
@@ -303,30 +285,6 @@ class Planner:
                              f"{mesh or 'the one process of a serial plan'} "
                              f"({len(every)} processes)")
         return frozenset(asked)
-
-    def _micro_batches(self, mode: str, inputs: Any) -> int | None:
-        """How many micro-batches a pipelined program of this batch uses: the strategy's for
-        training (the batch must divide into dp x micro_batches, or the gradient would not
-        be the full batch's); eval and predict use as many as split their batch evenly."""
-        pipe = self.strategy.pipeline
-        if pipe is None:
-            return None
-        rows = batch_size_of(inputs, self.strategy.batch_dim)
-        dp = self.strategy.degree("data_parallel")
-        if mode == "train":
-            if rows % (dp * pipe.micro_batches):
-                raise ValueError(
-                    f"batch of {rows} rows does not split into data_parallel={dp} x "
-                    f"pipeline.micro_batches={pipe.micro_batches} equal micro-batches "
-                    f"({dp * pipe.micro_batches} must divide the global batch size); "
-                    f"use a batch size that is a multiple of {dp * pipe.micro_batches}")
-            return pipe.micro_batches
-        return max((k for k in range(1, pipe.micro_batches + 1) if rows % (dp * k) == 0),
-                   default=1)
-
-    def _annotations(self) -> dict:
-        found = {name: param_annotation(p) for name, p in self.model.named_parameters()}
-        return {name: dist for name, dist in found.items() if dist is not None}
 
 
 @contextlib.contextmanager

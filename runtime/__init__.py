@@ -14,21 +14,15 @@
     process_groups      c10d groups per mesh dim, the launch check
     rank_state          a process's pieces of the state, gathered back whole
     job_store, seeding  what a pipeline process keeps between jobs; each step's random stream
-    divergence          a plan's step next to one device's, op by op
     memory_meter        measured live bytes of a step (to check the plan-time estimate)
     spawn               start local ranks without torchrun (tests, benchmarks)
 """
 from .compiled import CompileError, CompileNote
-from .divergence import Divergence, locate_divergence, whole_values
 from .executor import Executor, compile_seconds
 from .job_store import FedRows
 from .process_groups import resolve_device
 from .rank_state import cut_piece
 from .runtimes import DistributedRuntime, Initial, LocalRuntime
 
-# Strategy sections the runtime implements itself (the passes implement the others)
-RUNTIME_SECTIONS = frozenset({"compile"})
-
-__all__ = ["RUNTIME_SECTIONS", "CompileError", "CompileNote", "compile_seconds", "Divergence",
-           "locate_divergence", "whole_values", "Executor", "FedRows", "cut_piece",
+__all__ = ["CompileError", "CompileNote", "compile_seconds", "Executor", "FedRows", "cut_piece",
            "DistributedRuntime", "Initial", "LocalRuntime", "resolve_device"]

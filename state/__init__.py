@@ -23,8 +23,8 @@ from .checkpointing import (
 )
 from .meta_init import MetaInitError, MetaInitNote
 from .safetensors_export import export_full
-from .train_state import Progress, TrainState
+from .train_state import Progress, TrainState, place_model
 
 __all__ = ["BackgroundSaver", "TRAINER_KEY", "CheckpointError", "CheckpointMismatch",
            "RunRecord", "load_checkpoint", "save_checkpoint", "MetaInitError", "MetaInitNote",
-           "export_full", "Progress", "TrainState"]
+           "export_full", "Progress", "TrainState", "place_model"]

@@ -400,7 +400,7 @@ def load_checkpoint(state: TrainState, runtime: Any, path: str | os.PathLike,
 
 
 def data_key(rank: int) -> str:
-    """Where a process's data position is kept (``engine.data_position``)."""
+    """Where a process's data position is kept (``data.data_position``)."""
     return f"{DATA_KEY}/rank{rank}"
 
 

@@ -33,7 +33,7 @@ from ..lower.executable import StatePiece
 from ..runtime import cut_piece
 from .meta_init import InitFn, MetaInit, is_deferred_model
 
-__all__ = ["TrainState", "Progress"]
+__all__ = ["TrainState", "Progress", "place_model"]
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Progress:
     epoch: int = 0            # fit's current epoch (the next one between epochs)
     batch_in_epoch: int = 0   # batches of it trained: with ``epoch``, the data position
     resume_at: tuple[int, int] | None = None   # set by a load: where the next fit starts
-    # where the data stands (``engine.data_position``, serialized): noted by a save,
+    # where the data stands (``data.data_position``, serialized): noted by a save,
     # restored by a load, and read by the next fit when it resumes
     data: bytes | None = None
 
@@ -176,3 +176,23 @@ class TrainState:
 
 def _is_meta(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta
+
+
+def place_model(model: torch.nn.Module, device: torch.device, params_on_host: bool = False
+                ) -> None:
+    """Move the model's parameters and buffers to ``device`` in place (the optimizer keeps
+    the same parameter objects), unless already there; ``params_on_host``
+    (``sharding.offload.params``): the parameters go to the host instead. A model on the
+    meta device stays there: each process's pieces are drawn on the CPU, as
+    ``model.to_empty(device="cpu")`` + its init path draws them, and then placed where
+    they live (``runtime.at_home``)."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[key] = buffer.to(device)
+        home = torch.device("cpu") if params_on_host else device
+        for param in module._parameters.values():
+            if param is not None and param.device != home:
+                param.data = param.data.to(home)

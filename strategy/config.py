@@ -126,7 +126,7 @@ class Strategy(BaseModel):
     # Where planned programs are kept on disk, by what they were planned from (the captured
     # step, this strategy, the optimizer, the processes, autopar's and torch's versions): a
     # restarted job, or another engine over the same model, skips the passes and lowering
-    # (``engine/plan_cache.py``). None: plans are kept in memory only.
+    # (``planner/plan_cache.py``). None: plans are kept in memory only.
     plan_cache_dir: str | None = None
     # The planner chooses the mesh, degrees and placements (``autopar.auto``); the sections
     # above that are present are constraints it keeps.

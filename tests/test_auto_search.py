@@ -164,9 +164,8 @@ def test_gpt_with_auto_trains_like_eager_on_the_simulator(machine):
 def test_extending_two_cuts_predicts_the_whole_model(machine):
     """The planner plans a deep stack at pp and 2 pp layers and extends linearly: on a
     4-layer GPT the extension predicts what planning all 4 layers does."""
-    from autopar.auto.evaluate import evaluate
+    from autopar.auto.evaluate import evaluate, plan_and_predict
     from autopar.auto.truncate import find_repeated_stack
-    from autopar.engine.auto_strategy import plan_and_predict
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=64))
     opt = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""Where the data stands is part of a checkpoint (``engine/data_position.py``): a run resumed
+"""Where the data stands is part of a checkpoint (``data/data_position.py``): a run resumed
 from a checkpoint reads the batches the uninterrupted run read, for a DataLoader that
 shuffles with torch's global generator, one with its own seeded generator (resumed in a
 later epoch, where a fresh generator would replay the first epoch's order), and torchdata's
@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import autopar as ap
-from autopar.engine.data_position import DataPosition, EpochReader, loader_generators
+from autopar.data.data_position import DataPosition, EpochReader, loader_generators
 from autopar.models.gpt import lm_loss
 from autopar.state.checkpointing import DATA_KEY
 

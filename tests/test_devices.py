@@ -107,7 +107,7 @@ def test_the_simulator_runs_dp2_on_one_cuda_device_like_eager():
 def test_batches_go_to_the_device_one_ahead():
     """Reading batch i+1 and issuing its copy happens before batch i is handed out (on CUDA
     the copy then overlaps step i); the meta device stands in for a GPU here."""
-    from autopar.engine.data import on_device
+    from autopar.data.loaders import on_device
     read = []
 
     def source():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import autopar as ap
-from autopar.engine import planner as planner_module
 from autopar.models.gpt import lm_loss
+from autopar.planner import step_planner as planner_module
 
 from .parity import lm_data, one_thread, parity_gpt  # noqa: F401
 

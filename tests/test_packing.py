@@ -1,4 +1,4 @@
-"""Packing (``engine/packing.py``): several documents per row of exactly ``row_length``
+"""Packing (``data/packing.py``): several documents per row of exactly ``row_length``
 tokens, ``position_ids`` restarting at each document, labels shifted inside each document
 (``ignore_index`` at its end and on padding); streamed, re-iterable as a dataset. Our GPT
 reads the ``position_ids`` and keeps attention inside each document, so a packed document's
@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import autopar as ap
 from autopar.capture import RingAttentionError
-from autopar.engine.packing import (
+from autopar.data.packing import (
     IGNORE_INDEX,
     PackedDataset,
     PackingCollator,

@@ -1,4 +1,4 @@
-"""Streaming datasets read in shards (``engine/streams.py``): an ``IterableDataset`` given to
+"""Streaming datasets read in shards (``data/streams.py``): an ``IterableDataset`` given to
 ``fit`` is read by each data-parallel process in its own shard (round-robin, or the
 dataset's own ``shard(num_shards, index)``), and the global batch is the shards' batches
 side by side. On the simulator (all shards read in one process) and on 2 real gloo ranks
@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 import autopar as ap
-from autopar.engine.streams import RoundRobin, StreamError, shard_stream, stream_shards
+from autopar.data.streams import RoundRobin, StreamError, shard_stream, stream_shards
 from autopar.ir.dist import ProcessMesh
 from autopar.models.gpt import lm_loss
 from autopar.runtime import FedRows

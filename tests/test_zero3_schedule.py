@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import autopar.engine.planner as planner
+import autopar.planner.step_planner as step_planner
 from autopar import Engine, ProcessMesh, Strategy
 from autopar.ir import Role, StateKind, format_program
 from autopar.ir.attrs import NAME
@@ -78,7 +78,7 @@ def test_peak_drops_by_the_parameters_the_forward_kept(monkeypatch):
     after, measured = _predicted_and_measured(engine)
     assert abs(after - measured) <= 0.1 * measured
     ahead = _largest_prefetch(engine)
-    monkeypatch.setattr(planner, "pass_manager",
+    monkeypatch.setattr(step_planner, "pass_manager",
                         functools.partial(pass_manager, disabled=SCHEDULE))
     engine, _ = _engine(_strategy())
     before, measured_before = _predicted_and_measured(engine)
