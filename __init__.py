@@ -9,7 +9,7 @@ in pyproject.toml); ``"0.0.0+unknown"`` where autopar is imported without being 
 from importlib import metadata as _metadata
 
 from .annotations import shard_tensor
-from .data import PackedDataset
+from .data import PackedDataset, PackingCollator, pack_documents
 from .engine import Engine, callbacks
 from .ir.dist import Partial, ProcessMesh, Replicate, Shard
 from .strategy import Strategy
@@ -19,5 +19,5 @@ try:
 except _metadata.PackageNotFoundError:        # imported from a copy of the source, never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["Engine", "PackedDataset", "Partial", "callbacks", "ProcessMesh", "Replicate", "Shard",
-           "Strategy", "shard_tensor"]
+__all__ = ["Engine", "PackedDataset", "PackingCollator", "Partial", "callbacks", "ProcessMesh",
+           "Replicate", "Shard", "Strategy", "pack_documents", "shard_tensor"]

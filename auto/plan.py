@@ -20,7 +20,7 @@ from .search import AutoPlan, Problem, search_strategy
 
 __all__ = ["plan_auto", "auto_profile", "with_auto"]
 
-# the sections that fix a parallel layout: the planner's to choose under ``--auto``
+# the sections that fix a parallel layout: the auto search's to choose under ``--auto``
 LAYOUT_SECTIONS = ("mesh", "data_parallel", "tensor_parallel", "pipeline", "sharding",
                    "recompute")
 
@@ -37,7 +37,7 @@ def with_auto(strategy: Strategy, auto: dict[str, Any], keep_layout: bool) -> St
 
 
 def auto_profile(strategy: Strategy) -> tuple[Profile, str]:
-    """The machine profile the planner costs with, and a note when it is not this machine's
+    """The machine profile the auto search costs with, and a note when it is not this machine's
     own: ``auto.profile`` when given, else the calibrated one, else the shipped reference."""
     auto = strategy.auto
     if auto is not None and auto.profile is not None:
@@ -69,7 +69,7 @@ def plan_auto(model: torch.nn.Module, loss: Callable | None,
               labels: Any) -> AutoPlan:
     """Search ``strategy.auto`` for this model and sample batch."""
     if optimizer is None:
-        raise ValueError("auto: the planner plans a training step and needs the optimizer: "
+        raise ValueError("auto: the search plans a training step and needs the optimizer: "
                          "Engine(model, loss, optimizer, strategy=...)")
     profile, note = auto_profile(strategy)
     profile, nodes_note = _on_nodes(profile, strategy.auto.nodes, strategy.auto.devices)

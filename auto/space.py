@@ -71,7 +71,7 @@ class Constraints:
         dp = strategy.data_parallel
         if dp is not None and len(dp.mesh_axes) > 1:
             raise ValueError(f"auto: data_parallel.axis {list(dp.mesh_axes)} spans several mesh "
-                             "dims (HSDP), which the planner does not search yet: give a "
+                             "dims (HSDP), which the auto search does not cover yet: give a "
                              "single data_parallel axis, or plan HSDP by hand (without auto)")
         if strategy.mesh is not None:
             dims = tuple(zip(strategy.mesh.shape, strategy.mesh.dim_names))
@@ -98,14 +98,14 @@ def _annotated_mesh(annotations: dict[str, DistAttr]) -> tuple[dict[str, str], t
     meshes = {a.mesh for a in annotations.values()}
     if len(meshes) != 1:
         raise ValueError(f"auto: parameters are annotated on {len(meshes)} different meshes "
-                         f"({sorted(str(m) for m in meshes)}); the planner keeps annotations "
+                         f"({sorted(str(m) for m in meshes)}); the auto search keeps annotations "
                          "as constraints and needs them on one mesh")
     mesh = meshes.pop()
     names, sizes = {}, {"dp": 1, "tp": 1, "pp": 1}
     for dim, size in zip(mesh.dim_names, mesh.shape):
         role = "dp" if dim in ("dp", "data") else "tp"
         if role in names:
-            raise ValueError(f"auto: the annotated mesh {mesh} has two dims the planner would "
+            raise ValueError(f"auto: the annotated mesh {mesh} has two dims the auto search would "
                              f"use for {role!r} ({names[role]!r}, {dim!r}); name the "
                              "data-parallel dim 'dp' and the other the tensor-parallel one")
         names[role], sizes[role] = dim, size

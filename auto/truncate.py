@@ -1,4 +1,4 @@
-"""A model's repeated layers, and the same model with fewer of them: the planner's way of
+"""A model's repeated layers, and the same model with fewer of them: the auto search's way of
 solving the repeated layers once.
 
 Planning a candidate strategy costs time proportional to the model's depth (a 24-layer GPT

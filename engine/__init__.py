@@ -12,8 +12,7 @@ What the face calls lives below it: the step planner (``autopar.planner``), the 
 (``autopar.data``), the auto search (``autopar.auto``), the training state and checkpoints
 (``autopar.state``), the divergence locator (``autopar.divergence``) and the runtime.
 """
-from ..data import PackedDataset, PackingCollator, pack_documents
 from . import callbacks
 from .engine import Engine
 
-__all__ = ["Engine", "PackedDataset", "PackingCollator", "callbacks", "pack_documents"]
+__all__ = ["Engine", "callbacks"]

@@ -23,7 +23,7 @@ PLAN_STRATEGY_ENV = "AUTOPAR_PLAN_STRATEGY"  # a strategy YAML that replaces the
 PLAN_EXPLAIN_ENV = "AUTOPAR_PLAN_EXPLAIN"    # JSON list of values to explain in the report
 PLAN_DEPTH_ENV = "AUTOPAR_PLAN_EXPLAIN_DEPTH"   # how deep each explanation's chain goes
 PLAN_LOCATE_ENV = "AUTOPAR_PLAN_LOCATE"      # "1": also locate the first divergence
-PLAN_AUTO_ENV = "AUTOPAR_PLAN_AUTO"          # JSON auto section: let the planner choose
+PLAN_AUTO_ENV = "AUTOPAR_PLAN_AUTO"          # JSON auto section: let the auto search choose
 PLAN_WRITE_ENV = "AUTOPAR_PLAN_WRITE_STRATEGY"   # write the planned strategy's YAML here
 PLAN_RANKS_ENV = "AUTOPAR_PLAN_RANKS"        # JSON debug.dump_ranks: whose programs to dump
 

@@ -48,7 +48,7 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
                 auto: dict | None = None, write_strategy: str | None = None,
                 explain_depth: int = 0, ranks: object = "classes") -> str:
     """Run ``script`` until its first step is planned; return the report of the plan.
-    ``auto``: an ``auto`` section (``devices``, ``memory_limit_gb``, ...): the planner
+    ``auto``: an ``auto`` section (``devices``, ``memory_limit_gb``, ...): the auto search
     chooses the strategy (the script's layout dropped; ``strategy_yaml``'s kept as
     constraints) and ``write_strategy`` receives the chosen one's YAML. ``explain_depth``:
     the chain of reasons under each explanation (0: the short answer only). ``ranks``: whose
@@ -84,10 +84,10 @@ def plan_script(script: str, script_args: list[str], strategy_yaml: str | None,
 def _time_report(engine, step) -> str:
     """The predicted step time next to memory: on this machine's calibrated profile, else on
     the shipped reference profile, said so (it was not measured here); under ``--auto``
-    on the profile the planner costed with."""
+    on the profile the auto search costed with."""
     if engine.auto_plan is not None:
         return (f"{format_step_time(engine.planner.time(step, engine.auto_plan.profile))}\n"
-                f"  (from the profile the planner used: {engine.auto_plan.profile.machine})")
+                f"  (from the profile the auto search used: {engine.auto_plan.profile.machine})")
     try:
         profile, source = default_profile(), f"profile {default_profile_path()}"
     except ProfileNotFound:
