@@ -18,6 +18,13 @@ in order) is written next to the program's dump (``NN_compiled_program.py``, one
 pipeline job): where each collective starts and where it is waited for, among the
 kernels.
 
+A step whose optimizer may skip it (loss scaling's ``found_inf``) runs uncompiled while a
+state its update reads is still absent (SGD's momentum buffers before their first step):
+torch makes a buffer from the step's gradient, and a skipped step must leave it absent, which
+a graph that cannot read the flag on the host has no tensor to say. Uncompiled, the kernel
+reads the flag as eager ``GradScaler.step`` does; from the first step that made the buffers
+the program runs compiled (one graph, not one more for the absent buffers).
+
 A program the compiler refuses is an error naming the op of the failing line of the
 generated code (its target, module and role) and where the dumps are, or with
 ``fallback: eager`` a warning saying why, and the program runs uncompiled from then on.
@@ -39,6 +46,7 @@ import torch
 from torch._inductor.graph import GraphLowering
 
 from ..ir import Op, OpKind, Program
+from ..ir.attrs import NAME
 from ..lower.executable import CompileSpec
 
 __all__ = ["CompiledStep", "CompileError", "CompileNote", "not_compiled"]
@@ -67,9 +75,12 @@ class CompiledStep:
         options = _inductor_options(program) if spec.backend == "inductor" else None
         self.fn = torch.compile(fn, backend=spec.backend, mode=_mode(spec),
                                 options=options, fullgraph=True)
-        self._seen = 0
+        self.skipped_states = _states_of_skippable_updates(program)
 
     def __call__(self, feeds: dict[str, Any], state: dict[str, Any], *carried: Any) -> tuple:
+        if any(state.get(name, ()) is None for name in self.skipped_states):
+            # a skippable update that would make a state (module docstring): uncompiled
+            return self.eager(feeds, state, *carried)
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         try:
@@ -126,6 +137,16 @@ def not_compiled(spec: CompileSpec, where: str, why: str) -> None:
         raise CompileError(text + "; compile: {fallback: eager} runs it uncompiled")
     warnings.warn(text + "; it runs uncompiled (compile: {fallback: eager})", CompileNote,
                   stacklevel=3)
+
+
+def _states_of_skippable_updates(program: Program) -> frozenset[str]:
+    """The states read by the optimizer updates that loss scaling may skip (the ops given a
+    ``found_inf``); one of them absent (None) makes the step run uncompiled."""
+    return frozenset(
+        value.producer.attrs[NAME] for op in program.ops
+        if op.kind is OpKind.CALL and op.kwargs.get("found_inf") is not None
+        for value in op.inputs
+        if value.producer is not None and value.producer.kind is OpKind.STATE)
 
 
 def _inductor_options(program: Program) -> dict[str, Any]:

@@ -71,6 +71,17 @@ def assert_same_losses(ours: list[float], ref: list[float]) -> None:
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=RTOL, atol=ATOL)
 
 
+def rounding_bound(roundings: int, dtype: torch.dtype) -> float:
+    """How far, relative, a value computed through a chain of ``roundings`` roundings to
+    ``dtype`` can land from the same value computed exactly: Higham's gamma_n = n u / (1 - n
+    u), u the dtype's unit roundoff (half its eps: round to nearest), to first order and
+    without cancellation. Two runs whose chains hold a and b roundings differ by at most
+    gamma_(a+b) of the value, relative: the bound of a half-precision comparison that has no
+    exact reference, derived from the dtype and a count, not from a measurement."""
+    unit = torch.finfo(dtype).eps / 2
+    return roundings * unit / (1 - roundings * unit)
+
+
 def gpt_optimizer(name: str, model: torch.nn.Module, warmup: int = 10):
     """(optimizer, scheduler or None) as a GPT run uses them: SGD + momentum, or AdamW with
     the usual linear warmup (see tests/test_parity_dist.py for why parity needs it)."""

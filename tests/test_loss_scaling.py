@@ -37,6 +37,7 @@ from .parity import (
     one_thread,  # noqa: F401  (a fixture: pytestmark uses it)
     parity_gpt,
     regression_data,
+    rounding_bound,
     twin,
 )
 
@@ -224,6 +225,60 @@ def test_a_compiled_step_skips_the_inf_step_as_grad_scaler_does():
     assert got["skipped"] == [s == INF_STEP for s in range(STEPS)]
     _assert_history(got, want, exact=False)
     _assert_skipped_unchanged(got, INF_STEP)
+
+
+# The float16 O2 MLP's longest chains of float16 roundings, read off its program: 4 in the
+# forward (the batch's cast, three contractions; relu rounds nothing) and 8 to the first
+# layer's weight gradient (the loss gradient's cast, two input-gradient contractions and a
+# weight-gradient one); its fp32 roundings (2^-24 each) are below the count's slack
+FP16_FORWARD_CHAIN, FP16_CHAIN = 4, 8
+
+
+def test_compiled_float16_sgd_momentum_skips_before_its_buffers_exist():
+    """compile + float16 O2 + dynamic scaling + SGD with momentum, a scale that overflows at
+    first (backed off by 16 each time, never grown: no step sits near float16's largest
+    value, where a rounding could tip it): the first two steps skip before any momentum
+    buffer exists. torch makes the buffers from a step's gradients and a skipped step must
+    leave them absent, which a graph that cannot read the flag on the host has no tensor
+    to say, so such a step runs uncompiled (``runtime/compiled.py``) and the program
+    compiles once, with the buffers. The steps skip and the scales follow as GradScaler's,
+    the skipped steps leave the parameters as they were and no buffer; compiled, Inductor
+    rounds elsewhere than eager, so losses and parameters are within float16's rounding
+    bound of eager GradScaler over both runs' chains (``rounding_bound``: losses 3.9e-3,
+    relative; the parameters' movement 7.9e-3 of what training moved, SGD's update being
+    linear in its gradients): a run at half the learning rate is 0.5 off, one that does
+    not update 1."""
+    scaler = dict(init_scale=2.0 ** 24, backoff_factor=2.0 ** -4, growth_interval=1000)
+    text = ", ".join(f"{k}: {v}" for k, v in scaler.items())
+    data = _data(None)
+    model = _mlp()
+    ref, init = twin(model), twin(model).state_dict()
+    want = _eager(ref, torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9), data,
+                  torch.amp.GradScaler("cpu", **scaler), forward=_o2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    engine = ap.Engine(model, _mse, optimizer, lr_scheduler=_warmup(optimizer),
+                       strategy=_strategy(f"enable: true, dtype: float16, level: O2, "
+                                          f"loss_scale: dynamic, {text}",
+                                          "compile: {enable: true}\n"))
+    losses, buffers = [], []
+    for x, y in DataLoader(data, batch_size=BATCH):
+        losses.append(engine.train_step(x, y))
+        engine.sync_model()
+        buffers.append(any(optimizer.state.get(p, {}).get("momentum_buffer") is not None
+                           for p in model.parameters()))
+        if len(losses) == 2:          # after the skipped steps
+            assert all(torch.equal(v, init[k]) for k, v in model.state_dict().items())
+    history = engine.history
+    assert history["skipped"] == want["skipped"] == [True, True] + [False] * (STEPS - 2)
+    assert history["loss_scale"] == want["loss_scale"]
+    assert buffers == [False, False] + [True] * (STEPS - 2)
+    assert len(history["compile_s"]) == 1
+    loss_bound = rounding_bound(2 * FP16_FORWARD_CHAIN, torch.float16)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, want["loss"])) <= loss_bound
+    for name, value in ref.state_dict().items():
+        moved = (value - init[name]).norm()
+        assert (model.state_dict()[name] - value).norm() <= rounding_bound(
+            2 * FP16_CHAIN, torch.float16) * moved, name
 
 
 def test_a_fixed_scale_never_changes_and_still_skips():

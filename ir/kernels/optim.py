@@ -56,10 +56,11 @@ def sgd_group(params, grads, group, momentum_buffers, found_inf=None):
     if found_inf is not None and torch.compiler.is_compiling() and group["momentum"] != 0 \
             and any(b is None for b in buffers):
         # the first step makes the buffers from the gradients; a skipped one must leave
-        # them absent, which no tensor op can say
+        # them absent, which no tensor op can say: the runtime runs such a step uncompiled
+        # (runtime/compiled.py), so only a caller that compiles it itself gets here
         raise NotImplementedError(
-            "compiled SGD with momentum under loss scaling before its momentum buffers "
-            "exist; compile: {fallback: eager}, or an SGD step before compiling")
+            "SGD with momentum under loss scaling traced before its momentum buffers "
+            "exist: run that step uncompiled (the runtime does)")
 
     def update() -> None:
         _sgd(list(params), list(grads), buffers, weight_decay=group["weight_decay"],
