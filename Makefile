@@ -25,9 +25,9 @@ test: $(VENV_STAMP)
 docs: $(VENV_STAMP)
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
-# after a meant change to a pass, lowering or the printer: rewrite tests/golden/ (read the diff)
+# after a meant change to a pass, lowering or the printer: rewrite tests/passes/golden/ (read the diff)
 golden: $(VENV_STAMP)
-	AUTOPAR_UPDATE_GOLDEN=1 $(PY) -m pytest tests/test_golden_dumps.py
+	AUTOPAR_UPDATE_GOLDEN=1 $(PY) -m pytest tests/passes/test_golden_dumps.py
 
 # every CPU benchmark of bench/ (docs/benchmarks.md); not here: gpu_check.py and
 # multi_gpu_check.py (CUDA only), placement_ilp.py (the placement ILP alone: run it when

@@ -9,7 +9,7 @@ slice views an init takes (``weight[padding_idx].zero_()``).
 Random fills draw the whole tensor's numbers in order, a bounded chunk at a time, and keep
 the piece's positions: the generator ends where drawing the whole would leave it, and the
 kept numbers are the whole's. That rests on how torch's CPU kernels consume the generator,
-checked by ``tests/test_meta_init.py`` for every dtype the tests use:
+checked by ``tests/state/test_meta_init.py`` for every dtype the tests use:
 
 * ``uniform_`` draws one number per element, in order;
 * ``normal_`` of a contiguous tensor of n >= 16 elements fills n uniforms, turns each block

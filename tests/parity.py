@@ -84,7 +84,7 @@ def rounding_bound(roundings: int, dtype: torch.dtype) -> float:
 
 def gpt_optimizer(name: str, model: torch.nn.Module, warmup: int = 10):
     """(optimizer, scheduler or None) as a GPT run uses them: SGD + momentum, or AdamW with
-    the usual linear warmup (see tests/test_parity_dist.py for why parity needs it)."""
+    the usual linear warmup (see tests/end_to_end/test_parity_dist.py for why parity needs it)."""
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -95,7 +95,7 @@ def parity_gpt(optim: str, vocab: int = 64, seq: int = 16, dropout: float = 0.0,
                layers: int = 2, sdpa: bool | None = None):
     """The small GPT parity runs train. With AdamW it has no qkv bias: the key part of a
     fused qkv bias has an identically zero gradient whose fp32 rounding noise Adam follows
-    (tests/test_parity_dist.py). Its attention is SDPA with AdamW, an explicit masked
+    (tests/end_to_end/test_parity_dist.py). Its attention is SDPA with AdamW, an explicit masked
     softmax with SGD, unless ``sdpa`` says."""
     from autopar.models import GPT, GPTConfig
     torch.manual_seed(0)

@@ -41,7 +41,7 @@ def train_gpt(config: str, optim: str, steps: str, batch: str, dropout: str = "0
 
 
 def train_nodes(config: str, optim: str, steps: str, batch: str, dropout: str) -> dict:
-    """``train_gpt`` on a launch of several torchrun agents (``tests/test_multinode.py``):
+    """``train_gpt`` on a launch of several torchrun agents (``tests/engine/test_multinode.py``):
     its losses and final state, plus what this rank's agent told it (torchrun's variables,
     the test's own ``AUTOPAR_TEST_NODE`` label of the agent), what the engine read of it
     (``engine.launch``, ``engine.device``) and the ranks of each c10d group it trains in."""
@@ -65,7 +65,7 @@ def train_nodes(config: str, optim: str, steps: str, batch: str, dropout: str) -
 
 def train_elastic(save_dir: str, marker_dir: str, steps: str, batch: str) -> dict:
     """dp4 with ``elastic: {on_resize: data_parallel}``, a checkpoint every step, resumed
-    from the newest (``tests/test_multinode.py``). On the first attempt the workers of the
+    from the newest (``tests/engine/test_multinode.py``). On the first attempt the workers of the
     agent labelled 1 stop after step 2 (each writes a marker and sleeps: the test then kills
     that agent, a lost machine); the survivors' collectives fail, their agent restarts them
     on the world that is left, and the engine resizes dp and resumes. What the restarted
@@ -98,7 +98,7 @@ def train_elastic(save_dir: str, marker_dir: str, steps: str, batch: str) -> dic
 
 def train_auto(steps: str, profile: str) -> dict:
     """``auto: {devices: 2}``: rank 0 plans, every rank trains its choice
-    (``tests/test_auto_search.py``)."""
+    (``tests/auto/test_auto_search.py``)."""
     from autopar.models.gpt import lm_loss
     model = parity_gpt("adamw")
     engine = ap.Engine(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -309,7 +309,7 @@ def train_merge(steps: str) -> dict:
 
 
 def amp_ranks(steps: str, batch: str, o2_steps: str) -> dict:
-    """Mixed precision on 2 real gloo ranks (``tests/test_amp.py``): torch's own DDP under
+    """Mixed precision on 2 real gloo ranks (``tests/passes/test_amp.py``): torch's own DDP under
     O1, the reference autopar's dp2 O1 is measured against, then autopar's O2 with ZeRO-3
     and bf16 gradient reduce-scatters (bf16 collectives on gloo)."""
     from autopar.models.gpt import lm_loss
@@ -357,7 +357,7 @@ def _ddp_autocast(steps: int, batch: int) -> dict:
 
 
 def train_scaled(steps: str, batch: str, inf_step: str, layout: str = "dp") -> dict:
-    """Dynamic loss scaling on dp2 or pp2 (``layout``; ``tests/test_loss_scaling.py``): its
+    """Dynamic loss scaling on dp2 or pp2 (``layout``; ``tests/passes/test_loss_scaling.py``): its
     MLP and Adam, batch ``inf_step`` with an inf in its first sample's input (dp: rank 0's
     half); each step's scale and skip, whether the skipped step left this rank's state as
     it was, the final state."""
@@ -373,7 +373,7 @@ def train_scaled(steps: str, batch: str, inf_step: str, layout: str = "dp") -> d
                   "pipeline: {axis: pp, schedule: 1F1B, micro_batches: 2}\n"}[layout]
     strategy = ap.Strategy.from_yaml_str(
         mesh + "amp: {loss_scale: dynamic, init_scale: 4.0, growth_interval: 2}\n")
-    # the warmup of tests/test_loss_scaling.py's eager loop (a skipped step steps it too)
+    # the warmup of tests/passes/test_loss_scaling.py's eager loop (a skipped step steps it too)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     engine = ap.Engine(model, lambda out, y: torch.nn.functional.mse_loss(out, y), optimizer,
                        strategy=strategy, lr_scheduler=warmup)
@@ -394,7 +394,7 @@ def train_scaled(steps: str, batch: str, inf_step: str, layout: str = "dp") -> d
 
 
 def train_callbacks(out_dir: str, epochs: str) -> dict:
-    """The MLP of ``tests/test_callbacks.py`` on ``configs/dp.yaml`` with EarlyStopping, a
+    """The MLP of ``tests/engine/test_callbacks.py`` on ``configs/dp.yaml`` with EarlyStopping, a
     CSVLogger writing ``out_dir/log_rank<RANK>.csv`` and the progress display: where this
     rank stopped, its validation losses and what it printed."""
     import contextlib
@@ -420,7 +420,7 @@ def train_callbacks(out_dir: str, epochs: str) -> dict:
             "printed": printed.getvalue()}
 
 
-# -- checkpoints (tests/test_checkpoint_ranks.py) -------------------------------------------
+# -- checkpoints (tests/checkpoint/test_checkpoint_ranks.py) --------------------------------------
 
 from autopar.engine.callbacks import Callback  # noqa: E402
 
@@ -572,7 +572,7 @@ def ckpt_crash_save(save_dir: str) -> dict:
 
 
 def ckpt_async(save_dir: str) -> dict:
-    """dp2, background checkpoints (``tests/test_checkpoint_async.py``): ``fit`` of 8
+    """dp2, background checkpoints (``tests/checkpoint/test_checkpoint_async.py``): ``fit`` of 8
     batches saving every 2 steps with ``save_async=True``, keeping 2 (the state
     ``state_dict`` gathers at each save, what ``save_dir`` holds after fit); then a save
     whose write on rank 1 sleeps 1.5 s (committed 0.5 s after the call? after the wait?);
@@ -640,7 +640,7 @@ def export_full(config: str, path: str, steps: str, meta: str) -> dict:
 def train_compiled(steps: str, batch: str, compiled: str, *runs: str) -> dict:
     """For each ``config:dropout[:amp level]`` of ``runs`` in turn, the one-layer AdamW GPT
     of ``parity_gpt`` trained on ``configs/<config>.yaml``, its programs compiled
-    (``compiled == "1"``) or not (``tests/test_compile.py``)."""
+    (``compiled == "1"``) or not (``tests/runtime/test_compile.py``)."""
     from autopar.models.gpt import lm_loss
     results = {}
     for run in runs:
@@ -675,7 +675,7 @@ def compiled_dump(config: str, dump_dir: str) -> dict:
 
 def train_stream(shardable: str) -> dict:
     """dp2 on a stream of 9 items (``tests/stream_data.py``) read in shards: each rank its
-    own, padded to one bucket (``tests/test_streams.py``); how many items this rank built."""
+    own, padded to one bucket (``tests/data/test_streams.py``); how many items this rank built."""
     from stream_data import TokenStream
 
     from autopar.models.gpt import lm_loss

@@ -1,4 +1,4 @@
-"""A stream of next-token pairs for the streaming tests (``tests/test_streams.py``, and the
+"""A stream of next-token pairs for the streaming tests (``tests/data/test_streams.py``, and the
 real ranks of ``tests/rank_main.py``): item ``i``'s length depends on its global batch and
 on the shard that reads it round-robin, so the shards of one step differ in length."""
 from __future__ import annotations
