@@ -88,6 +88,8 @@ class Engine:
         if self.strategy.debug.trace and self.dump_dir is None:
             raise ValueError("debug.trace writes <dump_dir>/pipeline_trace.json: set "
                              "debug.dump_dir (or AUTOPAR_DUMP_DIR)")
+        # the strategy checked against its mesh and schedule before any process group exists
+        self.planner = self._planner()
         merge = self.strategy.gradient_merge
         if merge.is_enabled and optimizer is None:
             raise ValueError(f"gradient_merge: {{k_steps: {merge.k_steps}}} accumulates "
@@ -109,7 +111,6 @@ class Engine:
         else:
             self.runtime = LocalRuntime(self.state.tensors, simulate, self.launch.world_size,
                                         self.device)
-        self.planner = self._planner()
         self.feed = Feed(self.strategy, self.device, self.planner.layout.mesh,
                          *((self.launch.rank, self.runtime.gather) if self.distributed
                            else (None, None)))
@@ -151,10 +152,11 @@ class Engine:
         self.state.lr_scheduler = scheduler
 
     def _planner(self) -> StepPlanner:
+        simulate = self.strategy.debug.simulate
         return StepPlanner(self.model, self.loss, self.optimizer, self.strategy,
                            dump_dir=self.dump_dir,
-                           process=self.launch.rank if self.distributed else None,
-                           every=self.strategy.debug.simulate)
+                           process=self.launch.rank if self.launch.several(simulate) else None,
+                           every=simulate)
 
     def _resize(self) -> None:
         """An elastic restart on another world size: the strategy for the world launched

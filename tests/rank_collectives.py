@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from test_reshard_plan import CATALOGUE, EVEN, NESTED, UNEVEN, make_pieces
 
-from autopar.ir.dist import DistAttr, ProcessMesh, parse_placements
+# the reshard tests' cases, by name: this file runs as a script on every rank
+sys.path.insert(0, str(Path(__file__).parent / "reshard"))
+from test_reshard_plan import CATALOGUE, EVEN, NESTED, UNEVEN, make_pieces  # noqa: E402
+
+from autopar.ir.dist import DistAttr, ProcessMesh, parse_placements  # noqa: E402
 from autopar.lower.comms import step_comm
 from autopar.reshard import apply_step, plan_reshard
 from autopar.runtime.collectives import bind_step

@@ -139,8 +139,8 @@ LLAMA_MESHES = {
 @functools.cache
 def _llama_run(config: str, policy: str | None):
     pytest.importorskip("transformers")
-    from ..parity.test_parity_dist import BATCH as HF_BATCH
-    from ..parity.test_parity_dist import (
+    from ..end_to_end.test_parity_dist import BATCH as HF_BATCH
+    from ..end_to_end.test_parity_dist import (
         HF_PLANS,
         HF_STEPS,
         HF_VOCAB,

@@ -178,6 +178,6 @@ def test_hugging_face_model_trains_like_eager_under_pp2_tp2(name):
     """Unmodified third-party models: GPT-2 (fused c_attn, Conv1D, tied head) and Llama
     (rotary embedding computed at the top and read by every layer, GQA), 2 stages x tp2."""
     pytest.importorskip("transformers")
-    from ..parity.test_parity_dist import hf_trains_like_eager
+    from ..end_to_end.test_parity_dist import hf_trains_like_eager
     hf_trains_like_eager(name, mesh={"shape": [2, 2], "dim_names": ["pp", "tp"]},
                          pipeline={"axis": "pp", "schedule": "1F1B", "micro_batches": 2})
