@@ -103,11 +103,10 @@ def test_without_max_norm_or_with_the_pass_disabled_nothing_is_clipped(yaml):
     assert not _norms(_plan(CLIP, disabled=frozenset({PASS})))
 
 
-def _train(yaml: str, monkeypatch=None, tmp_path=None) -> tuple[list[float], MLP]:
+def _train(yaml: str, dump_dir=None) -> tuple[list[float], MLP]:
     model = _mlp()
-    if tmp_path is not None:
-        yaml += f"debug: {{dump_dir: '{tmp_path}', simulate: true}}\n" if "simulate" not in \
-            yaml else ""
+    if dump_dir is not None:
+        yaml += f"debug: {{dump_dir: '{dump_dir}'}}\n"
     engine = ap.Engine(model, _mse, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                        strategy=ap.Strategy.from_yaml_str(yaml))
     history = engine.fit(regression_data(BATCH * STEPS, 16, 6), batch_size=BATCH, verbose=0)
@@ -130,7 +129,7 @@ def test_training_with_clip_grad_matches_eager_clip_grad_norm(layout):
 
 
 def test_the_dump_shows_the_clip_after_the_pass(tmp_path):
-    _train(CLIP, tmp_path=tmp_path)
+    _train(CLIP, dump_dir=tmp_path)
     before, after = dumped_around(tmp_path, PASS)
     params = len(list(_mlp().parameters()))
     assert "linalg_vector_norm" not in before
